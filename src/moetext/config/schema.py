@@ -1,0 +1,188 @@
+"""Typed, frozen configuration: one dataclass per component, one field docstring each.
+
+A run's YAML decodes into `Config`; each component receives only its own slice
+(`MoEBlock(cfg.moe, ...)`), never the whole tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str = "qwen3_moe"
+    """Model family name in `moetext.models.registry` (qwen3_moe, dense)."""
+    vocab_size: int = 32000
+    """Vocabulary size (embedding rows and LM-head columns)."""
+    emb_dim: int = 256
+    """Hidden size D of the residual stream."""
+    num_layers: int = 2
+    """Number of decoder layers."""
+    num_heads: int = 4
+    """Number of query heads."""
+    num_kv_heads: int = 2
+    """Number of key/value heads (GQA); must divide num_heads."""
+    head_dim: int = 64
+    """Per-head dimension of q, k and v."""
+    mlp_dim: int = 1024
+    """Intermediate size of the dense SwiGLU MLP (dense layers only)."""
+    rope_theta: float = 1_000_000.0
+    """RoPE base frequency."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    qk_norm: bool = True
+    """Per-head RMSNorm on q and k before RoPE (Qwen3)."""
+    tie_embeddings: bool = False
+    """Share the token embedding with the LM head."""
+    param_dtype: DType = "float32"
+    """Storage dtype of parameters (the optimizer's master copy)."""
+    dtype: DType = "bfloat16"
+    """Compute dtype of activations and matmuls."""
+    scan_layers: bool = False
+    """Run the layer stack with nnx.scan over stacked params (fast compile for deep models)."""
+    remat_policy: Literal["none", "full", "save_dots"] = "none"
+    """Activation checkpointing per layer: none, full (recompute all), save_dots (keep matmul outputs)."""
+    decoder_sparse_step: int = 1
+    """Layer i is MoE when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """Indices of layers that use the dense MLP even when decoder_sparse_step selects MoE."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialiser for weight matrices and embeddings."""
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int = 8
+    """Number of routed experts E."""
+    num_experts_per_tok: int = 2
+    """Experts per token K (top-k); at most num_experts."""
+    moe_intermediate_size: int = 512
+    """Intermediate size F of each routed expert."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k routing weights to sum to one (Qwen3)."""
+    num_shared_experts: int = 0
+    """Number of always-on shared experts (fused into one SwiGLU of width n * shared_intermediate_size)."""
+    shared_intermediate_size: int = 0
+    """Intermediate size of each shared expert (0 means moe_intermediate_size)."""
+    aux_loss_weight: float = 0.001
+    """Weight of the Switch-style load-balancing loss E * sum_e f_e * p_e."""
+    z_loss_weight: float = 0.0
+    """Weight of the router z-loss mean(logsumexp(logits)^2); 0 disables it."""
+    dispatch: Literal["dropless", "capacity"] = "dropless"
+    """dropless: sort-based grouped matmul; capacity: fixed per-expert buffers that drop overflow."""
+    capacity_factor: float = 1.25
+    """Capacity dispatch only: slots per expert = ceil(capacity_factor * T * K / E)."""
+
+
+@dataclass(frozen=True)
+class KernelsConfig:
+    gmm_backend: str = "auto"
+    """Grouped-matmul backend name (see `moetext.kernels.gmm.available_backends()`); auto picks by platform."""
+    checked: bool = False
+    """Verify at run time that group sizes are non-negative and sum to at most M (debug)."""
+    tiling: tuple[int, int, int] | None = None
+    """Fixed (tm, tk, tn) tiles for tiled backends; None uses each backend's defaults."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    kind: Literal["synthetic"] = "synthetic"
+    """Data source. synthetic: deterministic seeded token sequences with learnable structure."""
+    seq_len: int = 256
+    """Tokens per sequence."""
+    global_batch_size: int = 4
+    """Sequences per step across all devices; must be divisible by the number of devices."""
+    seed: int = 0
+    """Seed of the data stream (independent from the model seed)."""
+    eval_batches: int = 2
+    """Held-out batches per evaluation."""
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    learning_rate: float = 3e-4
+    """Peak learning rate after warmup."""
+    warmup_steps: int = 10
+    """Linear warmup steps from 0 to learning_rate."""
+    decay_steps: int | None = None
+    """Cosine decay length after warmup; None decays over the remaining train.steps."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+    b1: float = 0.9
+    """AdamW beta1."""
+    b2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to weight matrices only (never norms)."""
+    clip_norm: float | None = 1.0
+    """Global gradient-norm clipping threshold; None disables clipping."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    """Number of optimizer steps to run in total (a resumed run continues up to it)."""
+    run_dir: str = "runs/default"
+    """Directory for the resolved config, metrics.jsonl and checkpoints."""
+    seed: int = 0
+    """Seed of parameter initialisation and any training randomness."""
+    log_every: int = 10
+    """Log metrics every N steps (and at the last step)."""
+    eval_every: int = 0
+    """Evaluate on held-out batches every N steps; 0 disables periodic evaluation."""
+    peak_tflops: float | None = None
+    """Dense bf16 matmul peak of one device used for MFU; None measures it once at start-up."""
+    progress_bar: bool = True
+    """Show a progress bar on the terminal."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    enabled: bool = True
+    """Write orbax checkpoints under <run_dir>/checkpoints."""
+    every: int = 50
+    """Save every N steps (and at the last step)."""
+    keep: int = 3
+    """Keep the newest K checkpoints."""
+    async_save: bool = True
+    """Write checkpoints in the background while training continues."""
+    resume: bool = True
+    """Resume from the newest complete checkpoint in run_dir when one exists."""
+
+
+@dataclass(frozen=True)
+class ShardingConfig:
+    preset: str = "fsdp"
+    """Name of a preset under configs/sharding/ (logical-axis rules and mesh axes)."""
+    mesh: dict[str, int] = field(default_factory=dict)
+    """Mesh axis sizes overriding the preset's; -1 fills with the remaining devices."""
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Decoder architecture."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-Experts layers."""
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    """Kernel backends used by the MoE layers."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Input pipeline."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Training loop."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing and resume."""
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    """Device mesh and logical-axis rules."""
+
+    def replace(self, **sections) -> Config:
+        return dataclasses.replace(self, **sections)

@@ -1,0 +1,1 @@
+"""MoE kernels. Imports jax (and optional extras) only; never models/ or config/."""

@@ -1,0 +1,14 @@
+"""Test session defaults: CPU platform, quiet libtpu, float64 available for oracles."""
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+
+import moetext  # noqa: E402,F401  (sets platform defaults before jax initialises)
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
