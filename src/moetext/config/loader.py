@@ -182,9 +182,9 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     for key, value in raw.items():
         if key not in names:
             near = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
-            hint = f"; did you mean {prefix}{near[0]!r}?" if near else ""
+            hint = f"; did you mean {prefix + near[0]!r}?" if near else ""
             raise ConfigError(
-                f"unknown config key {prefix}{key!r}{hint} (valid keys in {where}: "
+                f"unknown config key {prefix + str(key)!r}{hint} (valid keys in {where}: "
                 f"{', '.join(names)})"
             )
         kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")

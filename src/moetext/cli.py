@@ -1,0 +1,47 @@
+"""`python -m train config.yml key=value ...`: parse -> load config -> build -> run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from moetext.config import ConfigError
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m train",
+        description="Train a moetext model from a YAML config.",
+        epilog="Overrides: section.key=value, e.g. train.steps=20 kernels.gmm_backend=ragged_dot",
+    )
+    p.add_argument("config", help="path to a YAML config, e.g. configs/models/tiny-qwen3-moe.yml")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from moetext import config
+
+    try:
+        cfg = config.load(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+    import jax
+
+    from moetext import train
+
+    if jax.process_index() == 0:
+        print(f"moetext: {cfg.model.family} on {jax.device_count()} {jax.default_backend()} "
+              f"device(s); run dir {cfg.train.run_dir}", flush=True)
+    try:
+        last = train.run(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if jax.process_index() == 0:
+        print("done: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                  for k, v in last.items()), flush=True)
+    return 0

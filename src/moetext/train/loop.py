@@ -1,0 +1,149 @@
+"""The training loop: build state (already sharded), resume, step, log, evaluate, checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from moetext import config as config_lib
+from moetext import data as data_lib
+from moetext import models, optim
+from moetext.checkpoint import Checkpointer, abstract_like
+from moetext.config import Config
+from moetext.models.flops import flops_per_token
+from moetext.train import metrics as metrics_lib
+from moetext.train.state import TrainState
+from moetext.train.step import make_eval_step, make_train_step
+
+
+@dataclasses.dataclass
+class Built:
+    """Everything `run` needs, built once from the config."""
+
+    cfg: Config
+    mesh: Mesh
+    graphdef: nnx.GraphDef
+    rest: nnx.State
+    state: TrainState
+    tx: Any
+    lr_schedule: Any
+    batch_sharding: NamedSharding
+
+
+def build(cfg: Config) -> Built:
+    config_lib.validate_for_devices(cfg, jax.device_count())
+    mesh = jax.make_mesh(
+        (jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,)
+    )
+    tx = optim.build(cfg.optim, cfg.train.steps)
+    lr_schedule = optim.schedule(cfg.optim, cfg.train.steps)
+
+    def create():
+        _, params, rest = nnx.split(create_model(cfg), nnx.Param, ...)
+        key = jax.random.key_data(jax.random.key(cfg.train.seed + 1))
+        state = TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), key)
+        return state, rest
+
+    graphdef = nnx.split(nnx.eval_shape(lambda: create_model(cfg)), nnx.Param, ...)[0]
+    replicated = NamedSharding(mesh, P())
+    abstract = jax.eval_shape(create)
+    shardings = jax.tree.map(lambda _: replicated, abstract)
+    # Params are created by a jitted init with out_shardings: never whole on one host first.
+    state, rest = jax.jit(create, out_shardings=shardings)()
+    return Built(cfg, mesh, graphdef, rest, state, tx, lr_schedule, NamedSharding(mesh, P("data")))
+
+
+def create_model(cfg: Config) -> nnx.Module:
+    return models.build(cfg.model, cfg.moe, cfg.kernels, rngs=nnx.Rngs(params=cfg.train.seed))
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    """Trains up to cfg.train.steps (resuming when a checkpoint exists); returns the last metrics."""
+    run_dir = cfg.train.run_dir
+    os.makedirs(run_dir, exist_ok=True)
+    if jax.process_index() == 0:
+        config_lib.save(cfg, os.path.join(run_dir, "config.yml"))
+    b = build(cfg)
+    data = data_lib.build(cfg.data, cfg.model.vocab_size)
+    ckpt = Checkpointer(cfg.checkpoint, run_dir) if cfg.checkpoint.enabled else None
+    state = _maybe_resume(b, ckpt)
+    start = int(state.step)
+
+    train_step = jax.jit(make_train_step(b.graphdef, b.rest, b.tx, b.lr_schedule), donate_argnums=0)
+    eval_step = jax.jit(make_eval_step(b.graphdef, b.rest))
+    put = lambda tokens: _put_batch(tokens, b.batch_sharding)
+    tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
+    fpt = flops_per_token(cfg.model, cfg.moe, cfg.data.seq_len)
+    peak = cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops else metrics_lib.measured_peak_flops()
+
+    log = metrics_lib.MetricsLog(run_dir, cfg.train.steps, start, cfg.train.progress_bar)
+    last: dict[str, Any] = {"step": start}
+    try:
+        if start < cfg.train.steps:
+            # Compile before the clock starts so step times measure steps, not compilation.
+            t0 = time.perf_counter()
+            train_step = train_step.lower(state, put(data.batch(start))).compile()
+            compile_s = time.perf_counter() - t0
+            log.write({"step": start, "event": "compiled", "compile_s": compile_s})
+        t_last, steps_since = time.perf_counter(), 0
+        for step in range(start, cfg.train.steps):
+            state, m = train_step(state, put(data.batch(step)))
+            steps_since += 1
+            log.advance()
+            done = step + 1
+            if done % cfg.train.log_every == 0 or done == cfg.train.steps:
+                m = jax.device_get(m)  # waits for the step: the interval below is real time
+                dt = (time.perf_counter() - t_last) / steps_since
+                tps = tokens_per_step / dt
+                last = {"step": done, **{k: float(v) for k, v in m.items()},
+                        "step_time_s": dt, "tokens_per_s": tps,
+                        "mfu": metrics_lib.mfu(fpt, tps, peak, jax.device_count())}
+                if cfg.train.eval_every and done % cfg.train.eval_every == 0:
+                    last.update(_evaluate(eval_step, state.params, data, put, cfg.data.eval_batches))
+                log.write(last)
+                t_last, steps_since = time.perf_counter(), 0
+            if ckpt and (done % cfg.checkpoint.every == 0 or done == cfg.train.steps):
+                ckpt.save(done, state, {"data_step": done, "step": done})
+    finally:
+        log.close()
+        if ckpt:
+            ckpt.close()
+    return last
+
+
+def _maybe_resume(b: Built, ckpt: Checkpointer | None) -> TrainState:
+    if ckpt is None or not b.cfg.checkpoint.resume:
+        return b.state
+    step = ckpt.latest_step()
+    if step is None:
+        return b.state
+    state, meta = ckpt.restore(step, abstract_like(b.state))
+    if int(state.step) != step or meta.get("data_step") != step:
+        raise RuntimeError(
+            f"checkpoint {ckpt.directory}/{step} is inconsistent: state.step={int(state.step)}, "
+            f"meta={meta}"
+        )
+    return state
+
+
+def _put_batch(tokens_BS1: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    # Every process computes the same global batch (cheap for synthetic data) and hands each
+    # addressable device its rows, which also works across hosts.
+    return jax.make_array_from_callback(tokens_BS1.shape, sharding, lambda idx: tokens_BS1[idx])
+
+
+def _evaluate(eval_step, params, data, put, num_batches: int) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for i in range(num_batches):
+        for k, v in jax.device_get(eval_step(params, put(data.batch(i, split="eval")))).items():
+            totals[k] = totals.get(k, 0.0) + float(v) / num_batches
+    return totals

@@ -1,0 +1,16 @@
+"""Train state: everything a checkpoint must hold to resume bit-exactly."""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import optax
+from flax import nnx
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer steps taken (also the data position)
+    params: nnx.State  # nnx.Param leaves of the model
+    opt_state: optax.OptState
+    rng: jax.Array  # uint32 raw key data, for any training-time randomness

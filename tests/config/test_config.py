@@ -1,0 +1,131 @@
+"""Config loading: every shipped YAML, inheritance, overrides, and each user error."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from moetext import config
+from moetext.config import Config, ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = sorted(p for p in (REPO / "configs").rglob("*.yml") if "sharding" not in p.parts)
+TINY = REPO / "configs/models/tiny-qwen3-moe.yml"
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_shipped_config_loads(path):
+    cfg = config.load(path)
+    assert isinstance(cfg, Config)
+
+
+def test_real_qwen3_shapes():
+    a = config.load(REPO / "configs/models/qwen3-30b-a3b.yml")
+    assert (a.model.num_layers, a.model.emb_dim, a.model.num_heads, a.model.num_kv_heads) == (
+        48, 2048, 32, 4)
+    assert (a.moe.num_experts, a.moe.num_experts_per_tok, a.moe.moe_intermediate_size) == (
+        128, 8, 768)
+    assert a.model.vocab_size == 151936 and a.model.rope_theta == 1e7
+    b = config.load(REPO / "configs/models/qwen3-235b-a22b.yml")
+    assert (b.model.num_layers, b.model.emb_dim, b.model.num_heads, b.moe.moe_intermediate_size) == (
+        94, 4096, 64, 1536)
+    assert b.model.rope_theta == 5e6 and b.model.rms_norm_eps == 1e-6
+    for c in (a, b):
+        assert c.model.qk_norm and c.moe.norm_topk_prob and c.model.head_dim == 128
+
+
+def test_bench_tiny_moe_shape():
+    c = config.load(REPO / "configs/models/bench-tiny-moe.yml")
+    got = (c.model.num_layers, c.model.emb_dim, c.model.num_heads, c.model.num_kv_heads,
+           c.model.head_dim, c.moe.num_experts, c.moe.num_experts_per_tok,
+           c.moe.moe_intermediate_size, c.model.vocab_size, c.data.seq_len,
+           c.data.global_batch_size)
+    assert got == (2, 256, 4, 2, 64, 8, 2, 512, 32000, 256, 4)
+    assert c.model.qk_norm and c.moe.norm_topk_prob and c.data.kind == "synthetic"
+
+
+def test_inheritance_child_overrides_base(tmp_path):
+    (tmp_path / "base.yml").write_text("model:\n  emb_dim: 96\n  num_layers: 3\ntrain:\n  steps: 7\n")
+    (tmp_path / "child.yml").write_text("base_config: base.yml\nmodel:\n  num_layers: 5\n")
+    cfg = config.load(tmp_path / "child.yml")
+    assert (cfg.model.emb_dim, cfg.model.num_layers, cfg.train.steps) == (96, 5, 7)
+
+
+def test_base_config_cycle_is_an_error(tmp_path):
+    (tmp_path / "a.yml").write_text("base_config: b.yml\n")
+    (tmp_path / "b.yml").write_text("base_config: a.yml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        config.load(tmp_path / "a.yml")
+
+
+def test_overrides_are_typed():
+    cfg = config.load(TINY, [
+        "train.steps=3", "optim.learning_rate=1e-3", "train.run_dir=/tmp/x",
+        "kernels.gmm_backend=ragged_dot", "model.qk_norm=false", "train.log_every=2",
+        "model.mlp_only_layers=[0]", "optim.clip_norm=null", "train.peak_tflops=1",
+    ])
+    assert cfg.train.steps == 3 and isinstance(cfg.train.steps, int)
+    assert cfg.optim.learning_rate == 1e-3 and isinstance(cfg.optim.learning_rate, float)
+    assert cfg.train.run_dir == "/tmp/x" and cfg.kernels.gmm_backend == "ragged_dot"
+    assert cfg.model.qk_norm is False and cfg.model.mlp_only_layers == (0,)
+    assert cfg.optim.clip_norm is None and cfg.train.peak_tflops == 1.0
+
+
+def test_config_is_frozen():
+    cfg = config.load(TINY)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train.steps = 1  # type: ignore[misc]
+
+
+def test_unknown_key_names_the_near_miss(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.stepz'.*'train.steps'"):
+        config.load(TINY, ["train.stepz=3"])
+    (tmp_path / "bad.yml").write_text("base_config: %s\nmoe:\n  num_expert: 4\n" % TINY)
+    with pytest.raises(ConfigError, match=r"'moe.num_expert'.*did you mean 'moe.num_experts'"):
+        config.load(tmp_path / "bad.yml")
+    with pytest.raises(ConfigError, match="unknown config key 'modle'.*'model'"):
+        config.load(TINY, ["modle.emb_dim=3"])
+
+
+def test_wrong_type_names_key_type_and_value():
+    with pytest.raises(ConfigError, match=r"'train.steps': expected int, got 'many' \(str\)"):
+        config.load(TINY, ["train.steps=many"])
+    with pytest.raises(ConfigError, match=r"'model.qk_norm': expected bool, got 3"):
+        config.load(TINY, ["model.qk_norm=3"])
+    with pytest.raises(ConfigError, match=r"'moe.dispatch': expected one of \['dropless', 'capacity'\]"):
+        config.load(TINY, ["moe.dispatch=sorted"])
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="config file not found: '.*nope.yml'"):
+        config.load("configs/models/nope.yml")
+
+
+def test_malformed_override():
+    with pytest.raises(ConfigError, match="section.key=value"):
+        config.load(TINY, ["train.steps"])
+    with pytest.raises(ConfigError, match="must name a section and a field"):
+        config.load(TINY, ["steps=3"])
+
+
+def test_topk_larger_than_experts():
+    with pytest.raises(ConfigError, match="num_experts_per_tok=9 exceeds moe.num_experts=8"):
+        config.load(TINY, ["moe.num_experts_per_tok=9"])
+
+
+def test_heads_not_divisible_by_kv_heads():
+    with pytest.raises(ConfigError, match="num_heads=4 is not divisible by model.num_kv_heads=3"):
+        config.load(TINY, ["model.num_kv_heads=3"])
+
+
+def test_batch_not_divisible_by_devices():
+    cfg = config.load(TINY, ["data.global_batch_size=6"])
+    config.validate_for_devices(cfg, 3)
+    with pytest.raises(ConfigError, match="global_batch_size=6 is not divisible by the 4 devices"):
+        config.validate_for_devices(cfg, 4)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = config.load(TINY, ["train.steps=11", "model.mlp_only_layers=[1]"])
+    config.save(cfg, tmp_path / "config.yml")
+    assert config.load(tmp_path / "config.yml") == cfg
