@@ -129,3 +129,14 @@ def test_resolved_config_round_trips(tmp_path):
     cfg = config.load(TINY, ["train.steps=11", "model.mlp_only_layers=[1]"])
     config.save(cfg, tmp_path / "config.yml")
     assert config.load(tmp_path / "config.yml") == cfg
+
+
+def test_config_docs_are_current():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen", REPO / "scripts/gen_config_docs.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert (REPO / "docs/config.md").read_text() == gen.render(), (
+        "docs/config.md is stale: run scripts/gen_config_docs.py"
+    )
