@@ -1,0 +1,443 @@
+"""Pallas TPU grouped matmuls on FP8 operands with per-block scales: gmm_fp8 and tgmm_fp8.
+
+Legend: M rows (sorted by group), K contraction, N outputs, L local groups (group_offset ..
+group_offset + L - 1), T grid steps along the group axis (pallas_metadata), tm/tk/tn tiles,
+bs the scale block size, nb = K / bs (gmm) or cdiv(M, bs) (tgmm) scale blocks.
+
+Scales are applied as outer products after each bs-long slice of the contraction:
+  gmm:  acc[tm, tn] += (lhs[:, kb] @ rhs[kb, :]) * ls[kb][tm, 1] * rs[kb][1, tn]
+  tgmm: acc[tk, tn] += (lhs[mb, :].T @ rhs[mb, :]) * ls[mb][tk, 1] * rs[mb][1, tn]
+so tk (gmm) and tm (tgmm) may be any multiple of bs: an unrolled subchannel loop walks the bs
+slices of the tile. In tgmm a scale block of bs rows may hold rows of two groups; each group's
+visit masks the other's rows before its slice's dot, so the shared block scale stays exact.
+
+Scales reach the kernel as [nb, M, 1] / [L, nb, 1, N] (gmm) and [nb, K, 1] / [nb, 1, N] (tgmm):
+a trailing unit dim makes every block legal under the TPU (8, 128) rule whatever nb is, and
+yields a column (lhs) or row (rhs) vector that broadcasts against the f32 accumulator.
+Group schedule and the zero-initialised aliased output follow the bf16 pallas_tpu backend.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from moetext.kernels.gmm import tiling as tiling_lib
+from moetext.kernels.gmm.pallas_metadata import cdiv, make_group_metadata, max_visits
+
+_NUM_META = 5  # starts_L, ends_L, group_ids_T, tile_ids_T, num_visits
+# Chips whose MXU multiplies FP8 natively; elsewhere the tile is widened to bf16 in VMEM (exact:
+# every e4m3/e5m2 value is a bf16 value), which still halves HBM traffic against bf16 operands.
+NATIVE_FP8_CHIPS = frozenset({"tpu7x"})
+
+
+def _chip(chip: str | None) -> str:
+    if chip is not None:
+        return tiling_lib.check_chip(chip)
+    if jax.default_backend() == "tpu":
+        kind = jax.devices()[0].device_kind
+        return tiling_lib.chip_from_device_kind(kind) or tiling_lib.FALLBACK_CHIP
+    return tiling_lib.FALLBACK_CHIP
+
+
+def _mxu_dtype(chip: str, interpret) -> jnp.dtype | None:
+    # Interpret mode runs on the host: f32 is exact for FP8 products and fastest on XLA:CPU.
+    if interpret is not False:
+        return jnp.dtype(jnp.float32)
+    return None if chip in NATIVE_FP8_CHIPS else jnp.dtype(jnp.bfloat16)
+
+
+def _fit_block(dim: int, want: int, bs: int, op: str, name: str, given: bool) -> int:
+    """A multiple of bs dividing dim: `want` itself if given, else the largest <= want."""
+    if given:
+        if want % bs or dim % want:
+            raise ValueError(
+                f"{op}: {name}={want} must be a multiple of block_size={bs} that divides "
+                f"{name[1].upper()}={dim}"
+            )
+        return want
+    t = max(bs, min(want, dim) // bs * bs)
+    while dim % t:
+        t -= bs
+    return t
+
+
+def _tiles(op, tiling, m, k, n, chip, num_groups, bs, blocked: str):
+    explicit = tiling is not None and not callable(tiling)
+    tm, tk, tn = tiling_lib.resolve_tiling(
+        tiling, m, k, n, jnp.float8_e4m3fn, chip, num_groups=num_groups
+    )
+    if blocked == "k":
+        tk = _fit_block(k, tk, bs, op, "tk", explicit)
+    else:
+        m_pad = cdiv(m, bs) * bs
+        tm = min(tiling[0] if explicit else tm, m_pad)
+        if tm % bs:
+            if explicit:
+                raise ValueError(f"{op}: tm={tm} must be a multiple of block_size={bs}")
+            tm = cdiv(tm, bs) * bs
+    return tm, tk, tn
+
+
+def _common(interpret, chip):
+    chip = _chip(chip)
+    interpret = jax.default_backend() != "tpu" if interpret is None else interpret
+    return chip, interpret
+
+
+def gmm_fp8(
+    lhs_q,
+    lhs_scale,
+    rhs_q,
+    rhs_scale,
+    group_sizes,
+    *,
+    group_offset=0,
+    transpose_rhs=False,
+    block_size=128,
+    tiling=None,
+    preferred_element_type=jnp.bfloat16,
+    interpret=None,
+    chip=None,
+):
+    """[M, N] = per-group lhs @ rhs on FP8 values: lhs_q [M, K], lhs_scale [M, K/bs];
+    rhs_q [L, K, N] with rhs_scale [L, K/bs, N], or [L, N, K] with [L, N, K/bs] when
+    transpose_rhs. K must be a multiple of block_size (QuantizedGmm pads). Rows outside the
+    local groups are zero."""
+    bs = int(block_size)
+    (m, k), num_local = lhs_q.shape, rhs_q.shape[0]
+    n = rhs_q.shape[1] if transpose_rhs else rhs_q.shape[2]
+    nb = k // bs
+    rs_want = (num_local, n, nb) if transpose_rhs else (num_local, nb, n)
+    if k % bs or lhs_scale.shape != (m, nb) or rhs_scale.shape != rs_want:
+        raise ValueError(
+            f"gmm_fp8: need K % block_size == 0, lhs_scale [M, K/bs] and rhs_scale {rs_want}; got "
+            f"lhs {lhs_q.shape} scale {lhs_scale.shape}, rhs {rhs_q.shape} scale "
+            f"{rhs_scale.shape}, block_size={bs}"
+        )
+    chip, interpret = _common(interpret, chip)
+    tm, tk, tn = tiles = _tiles("gmm_fp8", tiling, m, k, n, chip, group_sizes.shape[0], bs, "k")
+    out_dtype = jnp.dtype(preferred_element_type)
+    for name, shape, dt, blk in (
+        ("lhs", lhs_q.shape, lhs_q.dtype, (("tm", tm), ("tk", tk))),
+        (
+            "rhs",
+            rhs_q.shape,
+            rhs_q.dtype,
+            (("tn", tn), ("tk", tk)) if transpose_rhs else (("tk", tk), ("tn", tn)),
+        ),
+        ("out", (m, n), out_dtype, (("tm", tm), ("tn", tn))),
+    ):
+        tiling_lib.check_block("gmm_fp8", tiles, name, shape, dt, blk)
+    meta = make_group_metadata(
+        group_sizes,
+        jnp.asarray(group_offset, jnp.int32),
+        num_local=num_local,
+        m=m,
+        tm=tm,
+        visit_empty=False,
+    )
+    ls = lhs_scale.astype(jnp.float32).T[:, :, None]  # [nb, M, 1]
+    rs = rhs_scale.astype(jnp.float32)
+    rs = (jnp.swapaxes(rs, 1, 2) if transpose_rhs else rs)[:, :, None, :]  # [L, nb, 1, N]
+    sb = tk // bs
+
+    def lhs_map(j, t, i, starts, ends, gids, tids, num):
+        return tids[t], i
+
+    def ls_map(j, t, i, starts, ends, gids, tids, num):
+        return i, tids[t], 0
+
+    def rhs_map(j, t, i, starts, ends, gids, tids, num):
+        return (gids[t], j, i) if transpose_rhs else (gids[t], i, j)
+
+    def rs_map(j, t, i, starts, ends, gids, tids, num):
+        return gids[t], i, 0, j
+
+    def out_map(j, t, i, starts, ends, gids, tids, num):
+        return tids[t], j
+
+    # Output aliases a zero buffer so tiles no local group visits read as zeros (see pallas_tpu).
+    init_spec = (
+        pl.BlockSpec((tm, tn), out_map)
+        if interpret is not False
+        else pl.BlockSpec(memory_space=pl.ANY)
+    )
+    rhs_block = (pl.squeezed, tn, tk) if transpose_rhs else (pl.squeezed, tk, tn)
+    needed = tiling_lib.vmem_bytes(
+        [
+            (tm, tk, lhs_q.dtype),
+            (tk, tn, rhs_q.dtype),
+            (sb * tm, 128, jnp.float32),
+            (sb * 8, tn, jnp.float32),
+        ],
+        (tm, tn, out_dtype),
+        (tm, tn),
+    )
+    t_max = max_visits(m, tm, num_local)
+    kernel = functools.partial(
+        _gmm_kernel,
+        tm=tm,
+        bs=bs,
+        sb=sb,
+        transpose_rhs=transpose_rhs,
+        mxu=_mxu_dtype(chip, interpret),
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=_NUM_META,
+            grid=(cdiv(n, tn), t_max, k // tk),
+            in_specs=[
+                pl.BlockSpec((tm, tk), lhs_map),
+                pl.BlockSpec((sb, tm, 1), ls_map),
+                pl.BlockSpec(rhs_block, rhs_map),
+                pl.BlockSpec((pl.squeezed, sb, 1, tn), rs_map),
+                init_spec,
+            ],
+            out_specs=pl.BlockSpec((tm, tn), out_map),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+        ),
+        input_output_aliases={_NUM_META + 4: 0},
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+            vmem_limit_bytes=tiling_lib.vmem_limit("gmm_fp8", tiles, needed, chip),
+        ),
+        interpret=interpret,
+        cost_estimate=pl.CostEstimate(
+            flops=2 * m * k * n,
+            transcendentals=0,
+            bytes_accessed=t_max * (tm * k * cdiv(n, tn) + k * n) + m * n * out_dtype.itemsize,
+        ),
+        name="moetext_gmm_fp8",
+    )(*meta, lhs_q, ls, rhs_q, rs, jnp.zeros((m, n), out_dtype))
+
+
+def _gmm_kernel(
+    starts_L,
+    ends_L,
+    gids_T,
+    tiles_T,
+    num_1,
+    lhs_ref,
+    ls_ref,
+    rhs_ref,
+    rs_ref,
+    init_ref,
+    out_ref,
+    acc_ref,
+    *,
+    tm,
+    bs,
+    sb,
+    transpose_rhs,
+    mxu,
+):
+    del init_ref  # only aliased: tiles no visit touches keep its zeros
+    t, ki = pl.program_id(1), pl.program_id(2)
+    last_k = pl.num_programs(2) - 1
+    num_visits = num_1[0]
+
+    @pl.when(t < num_visits)
+    def _visit():
+        @pl.when(ki == 0)
+        def _():
+            acc_ref[...] = jnp.zeros_like(acc_ref)
+
+        acc = acc_ref[...]
+        for s in range(sb):  # subchannel loop: one scale block of the contraction at a time
+            cols = slice(s * bs, (s + 1) * bs)
+            lhs = lhs_ref[:, cols]
+            rhs = rhs_ref[:, cols] if transpose_rhs else rhs_ref[cols, :]
+            if mxu is not None:
+                lhs, rhs = lhs.astype(mxu), rhs.astype(mxu)
+            part = jax.lax.dot_general(
+                lhs,
+                rhs,
+                (((1,), (1,) if transpose_rhs else (0,)), ((), ())),
+                preferred_element_type=jnp.float32,
+            )
+            acc += part * ls_ref[s] * rs_ref[s]
+        acc_ref[...] = acc
+
+        @pl.when(ki == last_k)
+        def _store():
+            g, tile = gids_T[t], tiles_T[t]
+            rows = tile * tm + jax.lax.broadcasted_iota(jnp.int32, out_ref.shape, 0)
+            mine = (rows >= starts_L[g]) & (rows < ends_L[g])
+            res = acc_ref[...].astype(out_ref.dtype)
+            first = (t == 0) | (tiles_T[jnp.maximum(t - 1, 0)] != tile)
+            keep = jnp.where(first, jnp.zeros_like(res), out_ref[...])
+            out_ref[...] = jnp.where(mine, res, keep)
+
+    @pl.when((num_visits == 0) & (t == 0) & (ki == last_k))
+    def _empty():
+        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+
+
+def tgmm_fp8(
+    lhs_q,
+    lhs_scale,
+    rhs_q,
+    rhs_scale,
+    group_sizes,
+    *,
+    num_groups,
+    group_offset=0,
+    block_size=128,
+    tiling=None,
+    preferred_element_type=jnp.float32,
+    interpret=None,
+    chip=None,
+):
+    """[L, K, N] = per-group lhs.T @ rhs on FP8 values blocked along M (the reduction axis):
+    lhs_q [M, K] with lhs_scale [cdiv(M, bs), K]; rhs_q [M, N] with rhs_scale [cdiv(M, bs), N].
+    Empty groups give zeros."""
+    bs = int(block_size)
+    (m, k), n = lhs_q.shape, rhs_q.shape[1]
+    mb = cdiv(m, bs)
+    if rhs_q.shape[0] != m or lhs_scale.shape != (mb, k) or rhs_scale.shape != (mb, n):
+        raise ValueError(
+            f"tgmm_fp8: need lhs [M, K] with scale [cdiv(M, bs), K] and rhs [M, N] with scale "
+            f"[cdiv(M, bs), N]; got lhs {lhs_q.shape} scale {lhs_scale.shape}, rhs "
+            f"{rhs_q.shape} scale {rhs_scale.shape}, block_size={bs}"
+        )
+    chip, interpret = _common(interpret, chip)
+    tm, tk, tn = tiles = _tiles("tgmm_fp8", tiling, m, k, n, chip, group_sizes.shape[0], bs, "m")
+    out_dtype = jnp.dtype(preferred_element_type)
+    for name, shape, dt, blk in (
+        ("lhs", lhs_q.shape, lhs_q.dtype, (("tm", tm), ("tk", tk))),
+        ("rhs", rhs_q.shape, rhs_q.dtype, (("tm", tm), ("tn", tn))),
+        ("out", (k, n), out_dtype, (("tk", tk), ("tn", tn))),
+    ):
+        tiling_lib.check_block("tgmm_fp8", tiles, name, shape, dt, blk)
+    meta = make_group_metadata(
+        group_sizes,
+        jnp.asarray(group_offset, jnp.int32),
+        num_local=num_groups,
+        m=m,
+        tm=tm,
+        visit_empty=True,
+    )
+    sb = tm // bs
+    # Pad the scale blocks to whole row tiles with ones: the edge tile's blocks past M then hold
+    # finite scales (its rows are masked to zero, and 0 * garbage could be NaN).
+    pad = ((0, cdiv(m, tm) * sb - mb), (0, 0))
+    ls = jnp.pad(lhs_scale.astype(jnp.float32), pad, constant_values=1)[:, :, None]
+    rs = jnp.pad(rhs_scale.astype(jnp.float32), pad, constant_values=1)[:, None, :]
+
+    def lhs_map(i, j, t, starts, ends, gids, tids, num):
+        return tids[t], i
+
+    def ls_map(i, j, t, starts, ends, gids, tids, num):
+        return tids[t], i, 0
+
+    def rhs_map(i, j, t, starts, ends, gids, tids, num):
+        return tids[t], j
+
+    def rs_map(i, j, t, starts, ends, gids, tids, num):
+        return tids[t], 0, j
+
+    def out_map(i, j, t, starts, ends, gids, tids, num):
+        return gids[t], i, j
+
+    needed = tiling_lib.vmem_bytes(
+        [
+            (tm, tk, lhs_q.dtype),
+            (tm, tn, rhs_q.dtype),
+            (sb * tk, 128, jnp.float32),
+            (sb * 8, tn, jnp.float32),
+        ],
+        (tk, tn, out_dtype),
+        (tk, tn),
+    )
+    t_max = max_visits(m, tm, num_groups)
+    return pl.pallas_call(
+        functools.partial(_tgmm_kernel, tm=tm, bs=bs, sb=sb, mxu=_mxu_dtype(chip, interpret)),
+        out_shape=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=_NUM_META,
+            grid=(cdiv(k, tk), cdiv(n, tn), t_max),
+            in_specs=[
+                pl.BlockSpec((tm, tk), lhs_map),
+                pl.BlockSpec((sb, tk, 1), ls_map),
+                pl.BlockSpec((tm, tn), rhs_map),
+                pl.BlockSpec((sb, 1, tn), rs_map),
+            ],
+            out_specs=pl.BlockSpec((pl.squeezed, tk, tn), out_map),
+            scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=tiling_lib.vmem_limit("tgmm_fp8", tiles, needed, chip),
+        ),
+        interpret=interpret,
+        cost_estimate=pl.CostEstimate(
+            flops=2 * m * k * n,
+            transcendentals=0,
+            bytes_accessed=t_max * tm * (k * cdiv(n, tn) + n * cdiv(k, tk))
+            + num_groups * k * n * out_dtype.itemsize,
+        ),
+        name="moetext_tgmm_fp8",
+    )(*meta, lhs_q, ls, rhs_q, rs)
+
+
+def _tgmm_kernel(
+    starts_L,
+    ends_L,
+    gids_T,
+    tiles_T,
+    num_1,
+    lhs_ref,
+    ls_ref,
+    rhs_ref,
+    rs_ref,
+    out_ref,
+    acc_ref,
+    *,
+    tm,
+    bs,
+    sb,
+    mxu,
+):
+    t, last_t = pl.program_id(2), pl.num_programs(2) - 1
+    num_visits = num_1[0]
+    g, tile = gids_T[t], tiles_T[t]
+    first = (t == 0) | (gids_T[jnp.maximum(t - 1, 0)] != g)
+    last = (t == num_visits - 1) | (gids_T[jnp.minimum(t + 1, last_t)] != g)
+
+    @pl.when(t < num_visits)
+    def _visit():
+        @pl.when(first)
+        def _():
+            acc_ref[...] = jnp.zeros_like(acc_ref)
+
+        acc = acc_ref[...]
+        for s in range(sb):  # subchannel loop along M: each bs-row block has its own scales
+            rows = slice(s * bs, (s + 1) * bs)
+            lhs, rhs = lhs_ref[rows, :], rhs_ref[rows, :]
+            if mxu is not None:
+                lhs, rhs = lhs.astype(mxu), rhs.astype(mxu)
+            row0 = tile * tm + s * bs
+            # Both operands are masked: rows past M hold garbage (maybe NaN), NaN * 0 is NaN.
+            lhs = _own_rows(lhs, row0, starts_L[g], ends_L[g])
+            rhs = _own_rows(rhs, row0, starts_L[g], ends_L[g])
+            part = jax.lax.dot_general(
+                lhs, rhs, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )
+            acc += part * ls_ref[s] * rs_ref[s]
+        acc_ref[...] = acc
+
+        @pl.when(last)
+        def _():
+            out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+
+def _own_rows(x, row0, start, end):
+    rows = row0 + jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
+    return jnp.where((rows >= start) & (rows < end), x, jnp.zeros((), x.dtype))

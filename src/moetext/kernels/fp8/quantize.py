@@ -1,0 +1,198 @@
+"""Block-wise symmetric absmax FP8 quantization: quantize, dequantize, dual_quantize.
+
+Legend: n the length of the quantized axis, bs the block size, nb = cdiv(n, bs) blocks.
+
+A block is 1 x bs consecutive elements along `axis` (or bs x bs tiles, `quantize_tiles`).
+scale = amax(|block|) * float32(1 / max_finite(dtype)) in float32, qvalue = x * float32(1 /
+scale) rounded to `dtype` (nearest even, saturating), dequantize(q, s) = q * s.
+Conventions (docs/kernels.md, "FP8"):
+  * ragged tail: n need not divide by bs; the last block covers the n % bs remaining elements
+    (as if zero-padded, zeros never change an absmax). qvalue keeps x's shape, scale has nb.
+  * all-zero block: scale 1.0 (q = 0, dequantizes to exact zeros, never 0/0).
+  * tiny blocks: scale is at least the smallest normal float32, so x / scale stays finite;
+    float32 subnormal inputs are flushed to zero by XLA (so an all-subnormal block is zero).
+  * non-finite input: an inf or NaN makes its block's scale inf/NaN, so the whole block
+    dequantizes to NaN (propagates, like a bf16 matmul would). `checked=True` raises instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2
+_TINY = float(np.finfo(np.float32).tiny)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def max_finite(dtype) -> float:
+    return float(jnp.finfo(dtype).max)
+
+
+def _check_args(x, axis: int, block_size: int, dtype) -> int:
+    if x.ndim == 0:
+        raise ValueError(f"quantize: x must have at least one axis, got a scalar {x.shape}")
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"quantize: axis {axis} out of range for x of shape {x.shape}")
+    if int(block_size) <= 0:
+        raise ValueError(f"quantize: block_size must be a positive int, got {block_size}")
+    if jnp.dtype(dtype) not in (jnp.dtype(E4M3), jnp.dtype(E5M2)):
+        raise ValueError(f"quantize: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
+    return axis % x.ndim
+
+
+def _scale_from_amax(amax, dtype):
+    # Multiplying by the float32 reciprocal (not dividing) pins the rounding: XLA rewrites
+    # division by a constant into exactly this, so the oracle can match bit for bit.
+    # NaN/inf amax must survive (where on `amax == 0` and maximum both keep NaN) so a
+    # non-finite block dequantizes to NaN instead of to plausible garbage.
+    scale = jnp.maximum(amax * np.float32(1 / max_finite(dtype)), _TINY)
+    return jnp.where(amax == 0, jnp.float32(1), scale).astype(jnp.float32)
+
+
+def _to_fp8(x_f32, scale, dtype):
+    fmax = max_finite(dtype)
+    # x * (1 / scale), not x / scale: XLA turns a broadcast division into exactly this inside
+    # fusions (but not op by op), so spelling it out gives the same FP8 value everywhere and
+    # lets the oracle match bit for bit. Clipping matters: the product can round a hair above
+    # fmax, and a value past fmax converts to NaN in e4m3fn (it has no inf).
+    return jnp.clip(x_f32 * (1 / scale), -fmax, fmax).astype(dtype)
+
+
+def _check_finite(x, op: str) -> None:
+    def check(bad):
+        if bad:
+            raise ValueError(f"{op}: input holds inf or NaN (checked=True)")
+
+    jax.debug.callback(check, jnp.logical_not(jnp.all(jnp.isfinite(x))))
+
+
+def quantize(x, *, axis: int = -1, block_size: int = 128, dtype=E4M3, checked: bool = False):
+    """(qvalue, scale): absmax FP8 quantization per 1 x block_size block along `axis`.
+
+    qvalue has x's shape and `dtype`; scale is float32 with x's shape except nb blocks on axis.
+    """
+    axis = _check_args(x, axis, block_size, dtype)
+    if checked:
+        _check_finite(x, "quantize")
+    n, bs = x.shape[axis], int(block_size)
+    nb = cdiv(n, bs)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, nb * bs - n)
+    xp = jnp.pad(x.astype(jnp.float32), pad)
+    xb = xp.reshape(x.shape[:axis] + (nb, bs) + x.shape[axis + 1 :])
+    scale = _scale_from_amax(jnp.max(jnp.abs(xb), axis=axis + 1), dtype)
+    q = _to_fp8(xb, jnp.expand_dims(scale, axis + 1), dtype).reshape(xp.shape)
+    return jax.lax.slice_in_dim(q, 0, n, axis=axis), scale
+
+
+def expand_scale(scale, n: int, *, axis: int = -1, block_size: int = 128):
+    """Per-block scales repeated to per-element along `axis`, cut to length n."""
+    s = jnp.repeat(scale, int(block_size), axis=axis)
+    return jax.lax.slice_in_dim(s, 0, n, axis=axis % scale.ndim)
+
+
+def dequantize(qvalue, scale, *, axis: int = -1, block_size: int = 128, dtype=jnp.bfloat16):
+    """qvalue * scale (scale broadcast over each block of `axis`), cast to `dtype`."""
+    axis %= qvalue.ndim
+    nb = cdiv(qvalue.shape[axis], int(block_size))
+    want = qvalue.shape[:axis] + (nb,) + qvalue.shape[axis + 1 :]
+    if scale.shape != want:
+        raise ValueError(
+            f"dequantize: scale shape {scale.shape} does not fit qvalue {qvalue.shape} with "
+            f"axis={axis}, block_size={block_size}; expected {want}"
+        )
+    s = expand_scale(scale, qvalue.shape[axis], axis=axis, block_size=block_size)
+    return (qvalue.astype(jnp.float32) * s).astype(dtype)
+
+
+def quantize_tiles(x, *, block_size: int = 128, dtype=E4M3, checked: bool = False):
+    """(qvalue, scale) with one scale per block_size x block_size tile of the last two axes.
+
+    scale: [..., cdiv(R, bs), cdiv(C, bs)] float32. A tile scale serves a matmul contracting
+    either axis, so weights quantized this way need no second orientation for the backward.
+    """
+    if x.ndim < 2:
+        raise ValueError(f"quantize_tiles: x must have at least two axes, got {x.shape}")
+    _check_args(x, -1, block_size, dtype)
+    if checked:
+        _check_finite(x, "quantize_tiles")
+    (r, c), bs = x.shape[-2:], int(block_size)
+    rb, cb = cdiv(r, bs), cdiv(c, bs)
+    pad = [(0, 0)] * (x.ndim - 2) + [(0, rb * bs - r), (0, cb * bs - c)]
+    xp = jnp.pad(x.astype(jnp.float32), pad)
+    xt = xp.reshape(x.shape[:-2] + (rb, bs, cb, bs))
+    scale = _scale_from_amax(jnp.max(jnp.abs(xt), axis=(-3, -1)), dtype)
+    q = _to_fp8(xt, scale[..., :, None, :, None], dtype).reshape(xp.shape)
+    return q[..., :r, :c], scale
+
+
+def dequantize_tiles(qvalue, scale, *, block_size: int = 128, dtype=jnp.bfloat16):
+    r, c = qvalue.shape[-2:]
+    s = expand_scale(
+        expand_scale(scale, r, axis=-2, block_size=block_size), c, axis=-1, block_size=block_size
+    )
+    return (qvalue.astype(jnp.float32) * s).astype(dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Quantized:
+    """One quantization of an array: FP8 values, float32 block scales, and how they pair up.
+
+    axis: the blocked axis (non-negative), or None for bs x bs tiles of the last two axes.
+    """
+
+    value: jax.Array
+    scale: jax.Array
+    axis: int | None = dataclasses.field(metadata={"static": True})
+    block_size: int = dataclasses.field(metadata={"static": True})
+
+    @classmethod
+    def of(cls, x, *, axis: int | None, block_size: int = 128, dtype=E4M3) -> Quantized:
+        if axis is None:
+            q, s = quantize_tiles(x, block_size=block_size, dtype=dtype)
+            return cls(q, s, None, int(block_size))
+        q, s = quantize(x, axis=axis, block_size=block_size, dtype=dtype)
+        return cls(q, s, axis % x.ndim, int(block_size))
+
+    def dequantize(self, dtype=jnp.bfloat16):
+        if self.axis is None:
+            return dequantize_tiles(self.value, self.scale, block_size=self.block_size, dtype=dtype)
+        return dequantize(
+            self.value, self.scale, axis=self.axis, block_size=self.block_size, dtype=dtype
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self.value.size * self.value.dtype.itemsize + self.scale.size * 4
+
+
+class DualQuantized(NamedTuple):
+    """Both orientations of a matrix, each quantized from the high-precision source.
+
+    rowwise: 1 x bs blocks along the last axis (a matmul contracting the last axis uses it);
+    colwise: bs x 1 blocks along the second-to-last axis (for contracting that axis, e.g. the
+    token axis M in the weight gradient tgmm).
+    """
+
+    rowwise: Quantized
+    colwise: Quantized
+
+
+def dual_quantize(x, *, block_size: int = 128, dtype=E4M3) -> DualQuantized:
+    """Rowwise and columnwise block quantizations of x (rank >= 2), both from x itself."""
+    if x.ndim < 2:
+        raise ValueError(f"dual_quantize: x must have at least two axes, got shape {x.shape}")
+    return DualQuantized(
+        Quantized.of(x, axis=x.ndim - 1, block_size=block_size, dtype=dtype),
+        Quantized.of(x, axis=x.ndim - 2, block_size=block_size, dtype=dtype),
+    )
