@@ -1,0 +1,228 @@
+"""The decoder-only transformer: embedding, N x (attention + dense-or-MoE MLP), norm, LM head.
+
+Legend: B batch, S sequence, D emb_dim, V vocab, H head_dim, L layers in a scanned stack.
+
+Layer i uses the MoE block when (i + 1) % decoder_sparse_step == 0 and i is not in
+mlp_only_layers (the HF Qwen3-MoE rule). With scan_layers, each run of consecutive layers of the
+same kind is one stacked module (params get a leading "layers" axis) run by jax.lax.scan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moetext.config.schema import KernelsConfig, ModelConfig, MoEConfig
+from moetext.models.layers.attention import Attention
+from moetext.models.layers.mlp import SwiGLU
+from moetext.models.layers.norms import RMSNorm
+from moetext.models.layers.params import as_dtype, make_param, normal
+from moetext.models.layers.rope import rope_cos_sin
+from moetext.models.moe.block import AUX_KEYS, MoEBlock, zero_aux
+from moetext.sharding.logical import constrain
+
+ACT_NAMES = ("batch", "length", "embed")
+REMAT_POLICIES = ("none", "full", "save_dots")
+
+
+def moe_layer_pattern(cfg: ModelConfig) -> tuple[bool, ...]:
+    """Per layer: True where the HF Qwen3-MoE rule selects the MoE block."""
+    if cfg.decoder_sparse_step < 1:
+        raise ValueError(f"decoder_sparse_step must be >= 1, got {cfg.decoder_sparse_step}")
+    only = set(cfg.mlp_only_layers)
+    return tuple(
+        (i + 1) % cfg.decoder_sparse_step == 0 and i not in only for i in range(cfg.num_layers)
+    )
+
+
+def segments(pattern: Sequence[bool]) -> tuple[tuple[bool, int], ...]:
+    """Runs of consecutive layers of one kind: ((is_moe, count), ...) in layer order."""
+    runs: list[list] = []
+    for is_moe in pattern:
+        if runs and runs[-1][0] == is_moe:
+            runs[-1][1] += 1
+        else:
+            runs.append([is_moe, 1])
+    return tuple((bool(m), n) for m, n in runs)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h)); returns (out, aux)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        moe_cfg: MoEConfig,
+        kernels_cfg: KernelsConfig,
+        *,
+        use_moe: bool,
+        rngs: nnx.Rngs,
+    ):
+        pdt, dt = as_dtype(cfg.param_dtype), as_dtype(cfg.dtype)
+        self.use_moe = bool(use_moe)
+        self.attn_norm = RMSNorm(cfg.emb_dim, eps=cfg.rms_norm_eps, param_dtype=pdt, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.emb_dim, eps=cfg.rms_norm_eps, param_dtype=pdt, rngs=rngs)
+        if self.use_moe:
+            self.mlp = MoEBlock(
+                moe_cfg,
+                kernels_cfg,
+                emb_dim=cfg.emb_dim,
+                init_std=cfg.init_std,
+                param_dtype=pdt,
+                dtype=dt,
+                rngs=rngs,
+            )
+        else:
+            self.mlp = SwiGLU(
+                cfg.emb_dim,
+                cfg.mlp_dim,
+                init_std=cfg.init_std,
+                param_dtype=pdt,
+                dtype=dt,
+                rngs=rngs,
+            )
+
+    def __call__(self, x_BSD, cos_BSH, sin_BSH):
+        x_BSD = constrain(x_BSD, ACT_NAMES)
+        h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_BSH, sin_BSH)
+        if self.use_moe:
+            y_BSD, aux = self.mlp(self.mlp_norm(h_BSD))
+        else:
+            y_BSD, aux = self.mlp(self.mlp_norm(h_BSD)), zero_aux()
+        return constrain(h_BSD + y_BSD, ACT_NAMES), aux
+
+
+def _remat(fn, policy: str, *, in_scan: bool):
+    # Inside scan the loop already separates iterations, so CSE prevention only costs speed.
+    if policy == "none":
+        return fn
+    if policy == "full":
+        return jax.checkpoint(fn, prevent_cse=not in_scan)
+    # Save projection/expert matmuls but not batched dots such as the [B,K,G,S,T] attention
+    # scores, which are quadratic in sequence length.
+    saver = jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
+    return jax.checkpoint(fn, policy=saver, prevent_cse=not in_scan)
+
+
+def _layer_step(graphdef, policy: str, *, in_scan: bool):
+    def step(x_BSD, state, cos_BSH, sin_BSH):
+        return nnx.merge(graphdef, state)(x_BSD, cos_BSH, sin_BSH)
+
+    return _remat(step, policy, in_scan=in_scan)
+
+
+class Decoder(nnx.Module):
+    """tokens_BS -> (logits_BSV float32, aux). aux losses are means over the MoE layers."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        moe_cfg: MoEConfig,
+        kernels_cfg: KernelsConfig,
+        *,
+        moe_pattern: Sequence[bool],
+        rngs: nnx.Rngs,
+    ):
+        _check_model_config(cfg)
+        if len(moe_pattern) != cfg.num_layers:
+            raise ValueError(
+                f"moe_pattern has {len(moe_pattern)} entries for {cfg.num_layers} layers"
+            )
+        pdt, self.dtype = as_dtype(cfg.param_dtype), as_dtype(cfg.dtype)
+        self.cfg = cfg
+        self.num_moe_layers = sum(bool(m) for m in moe_pattern)
+        self.segments = segments(moe_pattern)
+        init = normal(cfg.init_std)
+        self.embed = make_param(rngs, init, (cfg.vocab_size, cfg.emb_dim), ("vocab", "embed"), pdt)
+
+        def make_layer(use_moe, r):
+            return DecoderLayer(cfg, moe_cfg, kernels_cfg, use_moe=use_moe, rngs=r)
+
+        if cfg.scan_layers:
+            self.stacks = nnx.List([_make_stack(make_layer, m, n, rngs) for m, n in self.segments])
+        else:
+            self.layers = nnx.List([make_layer(bool(m), rngs) for m in moe_pattern])
+        self.final_norm = RMSNorm(cfg.emb_dim, eps=cfg.rms_norm_eps, param_dtype=pdt, rngs=rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head = make_param(
+                rngs, init, (cfg.emb_dim, cfg.vocab_size), ("embed", "vocab"), pdt
+            )
+
+    def __call__(self, tokens_BS: jax.Array, *, positions_BS: jax.Array | None = None):
+        cfg = self.cfg
+        if tokens_BS.ndim != 2 or not jnp.issubdtype(tokens_BS.dtype, jnp.integer):
+            raise ValueError(
+                f"tokens must be integer [B, S], got {tokens_BS.dtype}{tokens_BS.shape}"
+            )
+        b, s = tokens_BS.shape
+        if positions_BS is None:
+            positions_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        elif positions_BS.shape != tokens_BS.shape:
+            raise ValueError(f"positions {positions_BS.shape} must match tokens {tokens_BS.shape}")
+        cos_BSH, sin_BSH = rope_cos_sin(positions_BS, cfg.head_dim, cfg.rope_theta)
+        x_BSD = jnp.take(self.embed[...], tokens_BS, axis=0).astype(self.dtype)
+        x_BSD, aux_sum = self._run_layers(x_BSD, cos_BSH, sin_BSH)
+        x_BSD = self.final_norm(x_BSD)
+        head_DV = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
+        logits_BSV = jnp.einsum(
+            "bsd,dv->bsv", x_BSD, head_DV.astype(self.dtype), preferred_element_type=jnp.float32
+        )
+        logits_BSV = constrain(logits_BSV, ("batch", "length", "vocab"))
+        n = max(self.num_moe_layers, 1)
+        return logits_BSV, {key: aux_sum[key] / n for key in AUX_KEYS}
+
+    def _run_layers(self, x_BSD, cos_BSH, sin_BSH):
+        policy = self.cfg.remat_policy
+        aux_sum = zero_aux()
+        if self.cfg.scan_layers:
+            for stack in self.stacks:
+                graphdef, state = nnx.split(stack)
+                step = _layer_step(graphdef, policy, in_scan=True)
+                body = lambda x, st, step=step: step(x, st, cos_BSH, sin_BSH)  # noqa: B023
+                x_BSD, aux_L = jax.lax.scan(body, x_BSD, state)
+                aux_sum = {k: aux_sum[k] + jnp.sum(aux_L[k]) for k in AUX_KEYS}
+        else:
+            for layer in self.layers:
+                graphdef, state = nnx.split(layer)
+                x_BSD, aux = _layer_step(graphdef, policy, in_scan=False)(
+                    x_BSD, state, cos_BSH, sin_BSH
+                )
+                aux_sum = {k: aux_sum[k] + aux[k] for k in AUX_KEYS}
+        return x_BSD, aux_sum
+
+
+def _make_stack(make_layer, use_moe: bool, count: int, rngs: nnx.Rngs):
+    """`count` layers of one kind with params stacked on a leading "layers" axis."""
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def create(r):
+        return make_layer(bool(use_moe), r)
+
+    return create(rngs)
+
+
+def _check_model_config(cfg: ModelConfig) -> None:
+    if cfg.remat_policy not in REMAT_POLICIES:
+        raise ValueError(
+            f"unknown remat_policy {cfg.remat_policy!r}; valid: {', '.join(REMAT_POLICIES)}"
+        )
+    dims = {
+        "vocab_size": cfg.vocab_size,
+        "emb_dim": cfg.emb_dim,
+        "num_layers": cfg.num_layers,
+        "num_heads": cfg.num_heads,
+        "num_kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "mlp_dim": cfg.mlp_dim,
+    }
+    bad = {k: v for k, v in dims.items() if v < 1}
+    if bad:
+        raise ValueError(f"model dimensions must be >= 1, got {bad}")
+    bad_only = [i for i in cfg.mlp_only_layers if not 0 <= i < cfg.num_layers]
+    if bad_only:
+        raise ValueError(f"mlp_only_layers {bad_only} out of range for {cfg.num_layers} layers")

@@ -1,0 +1,68 @@
+"""Grouped-query causal self-attention with per-head q/k RMSNorm and RoPE (Qwen3).
+
+Legend: B batch, S query positions, T key positions, D emb_dim, N query heads, K kv heads,
+G = N // K query heads per kv head, H head_dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moetext.config.schema import ModelConfig
+from moetext.models.layers.norms import RMSNorm
+from moetext.models.layers.params import as_dtype, make_param, normal
+from moetext.models.layers.rope import apply_rope
+
+
+def attend(q_BSNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) -> jax.Array:
+    """Causal GQA softmax(q k^T / sqrt(H)) v with f32 scores; returns [B, S, N, H] in q's dtype.
+
+    Causality is by index (query s sees keys t <= s); positions only feed RoPE.
+    """
+    b, s, n, h = q_BSNH.shape
+    kv = k_BTKH.shape[2]
+    q_BSKGH = q_BSNH.reshape(b, s, kv, n // kv, h)
+    scores_BKGST = jnp.einsum(
+        "bskgh,btkh->bkgst", q_BSKGH, k_BTKH, preferred_element_type=jnp.float32
+    ) / jnp.sqrt(jnp.float32(h))
+    t = k_BTKH.shape[1]
+    causal_ST = jnp.arange(s)[:, None] >= jnp.arange(t)[None, :]
+    # A large finite negative (not -inf) keeps fully masked rows NaN-free under autodiff.
+    scores_BKGST = jnp.where(causal_ST, scores_BKGST, jnp.finfo(jnp.float32).min)
+    probs_BKGST = jax.nn.softmax(scores_BKGST, axis=-1).astype(v_BTKH.dtype)
+    out_BSKGH = jnp.einsum("bkgst,btkh->bskgh", probs_BKGST, v_BTKH)
+    return out_BSKGH.reshape(b, s, n, h)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        if cfg.num_kv_heads <= 0 or cfg.num_heads % cfg.num_kv_heads:
+            raise ValueError(
+                f"num_heads={cfg.num_heads} must be a positive multiple of "
+                f"num_kv_heads={cfg.num_kv_heads}"
+            )
+        pdt, self.dtype = as_dtype(cfg.param_dtype), as_dtype(cfg.dtype)
+        d, n, kv, h = cfg.emb_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        init = normal(cfg.init_std)
+        self.w_q = make_param(rngs, init, (d, n, h), ("embed", "heads", "head_dim"), pdt)
+        self.w_k = make_param(rngs, init, (d, kv, h), ("embed", "kv_heads", "head_dim"), pdt)
+        self.w_v = make_param(rngs, init, (d, kv, h), ("embed", "kv_heads", "head_dim"), pdt)
+        self.w_o = make_param(rngs, init, (n, h, d), ("heads", "head_dim", "embed"), pdt)
+        self.qk_norm = bool(cfg.qk_norm)
+        if self.qk_norm:
+            self.q_norm = RMSNorm(h, eps=cfg.rms_norm_eps, param_dtype=pdt, rngs=rngs)
+            self.k_norm = RMSNorm(h, eps=cfg.rms_norm_eps, param_dtype=pdt, rngs=rngs)
+
+    def __call__(self, x_BSD: jax.Array, cos_BSH: jax.Array, sin_BSH: jax.Array) -> jax.Array:
+        x = x_BSD.astype(self.dtype)
+        q_BSNH = jnp.einsum("bsd,dnh->bsnh", x, self.w_q[...].astype(self.dtype))
+        k_BSKH = jnp.einsum("bsd,dkh->bskh", x, self.w_k[...].astype(self.dtype))
+        v_BSKH = jnp.einsum("bsd,dkh->bskh", x, self.w_v[...].astype(self.dtype))
+        if self.qk_norm:
+            q_BSNH, k_BSKH = self.q_norm(q_BSNH), self.k_norm(k_BSKH)
+        q_BSNH = apply_rope(q_BSNH, cos_BSH, sin_BSH)
+        k_BSKH = apply_rope(k_BSKH, cos_BSH, sin_BSH)
+        out_BSNH = attend(q_BSNH, k_BSKH, v_BSKH)
+        return jnp.einsum("bsnh,nhd->bsd", out_BSNH, self.w_o[...].astype(self.dtype))

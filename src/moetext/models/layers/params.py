@@ -1,0 +1,59 @@
+"""Parameter creation with logical axis names, and dtype names from the config.
+
+Every parameter carries its logical axes (`out_sharding` metadata, read back with
+`nnx.get_partition_spec`); the sharding layer maps them to mesh axes. Eager sharding is off so a
+model builds on a laptop with no mesh; the trainer places parameters from the logical names.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def as_dtype(name: str | jnp.dtype) -> jnp.dtype:
+    """A config dtype name ("float32", "bfloat16", "float16") as a jnp dtype."""
+    if not isinstance(name, str):
+        return jnp.dtype(name)
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; valid names: {', '.join(sorted(_DTYPES))}")
+    return jnp.dtype(_DTYPES[name])
+
+
+def make_param(
+    rngs: nnx.Rngs,
+    init: jax.nn.initializers.Initializer,
+    shape: Sequence[int],
+    names: Sequence[str | None],
+    param_dtype: jnp.dtype,
+) -> nnx.Param:
+    """An nnx.Param of `shape` initialised by `init`, annotated with logical axis `names`."""
+    if len(names) != len(shape):
+        raise ValueError(
+            f"logical names {tuple(names)} do not match parameter shape {tuple(shape)}"
+        )
+    init = nnx.with_partitioning(init, sharding=tuple(names), eager_sharding=False)
+    return nnx.Param(init(rngs.params(), tuple(shape), param_dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _normal(key, shape, dtype, std):
+    # Drawn in float32 then cast, so a bf16 model starts from the rounded f32 weights. One jit
+    # per shape (std is traced) keeps eager model construction to one compile per param shape.
+    return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
+
+
+def normal(std: float) -> jax.nn.initializers.Initializer:
+    """N(0, std^2) initialiser."""
+    return lambda key, shape, dtype=jnp.float32: _normal(key, tuple(shape), jnp.dtype(dtype), std)
+
+
+def ones(key, shape, dtype=jnp.float32):
+    del key
+    return jnp.ones(shape, dtype)

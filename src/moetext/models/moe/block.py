@@ -1,0 +1,128 @@
+"""The MoE feed-forward block: router -> dispatch -> experts -> combine (+ shared experts).
+
+Legend: B batch, S sequence, T = B*S tokens, D emb_dim, E experts, K experts per token,
+M = T*K assignment rows, C capacity slots per expert.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moetext.config.schema import KernelsConfig, MoEConfig
+from moetext.kernels import gmm as gmm_lib
+from moetext.models.layers.mlp import SwiGLU
+from moetext.models.moe import dispatch as dsp
+from moetext.models.moe.experts import Experts
+from moetext.models.moe.router import Router, load_balance_loss, route, router_z_loss
+
+DISPATCH_MODES = ("dropless", "capacity")
+AUX_KEYS = ("moe_loss", "load_balance_loss", "router_z_loss", "dropped_fraction")
+
+
+def zero_aux() -> dict[str, jax.Array]:
+    """The aux dict of a layer without MoE (same keys, so layers stack and scan uniformly)."""
+    return {key: jnp.zeros((), jnp.float32) for key in AUX_KEYS}
+
+
+def check_moe_config(cfg: MoEConfig) -> None:
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    if e < 1 or not 1 <= k <= e:
+        raise ValueError(f"need 1 <= num_experts_per_tok ({k}) <= num_experts ({e})")
+    if cfg.dispatch not in DISPATCH_MODES:
+        raise ValueError(
+            f"unknown moe.dispatch {cfg.dispatch!r}; valid: {', '.join(DISPATCH_MODES)}"
+        )
+    if cfg.dispatch == "capacity" and cfg.capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be positive, got {cfg.capacity_factor}")
+    if cfg.moe_intermediate_size < 1 or cfg.num_shared_experts < 0:
+        raise ValueError(
+            f"moe_intermediate_size ({cfg.moe_intermediate_size}) must be >= 1 and "
+            f"num_shared_experts ({cfg.num_shared_experts}) >= 0"
+        )
+
+
+class MoEBlock(nnx.Module):
+    """x_BSD -> (y_BSD, aux). aux["moe_loss"] is already weighted by the config's loss weights."""
+
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        kernels: KernelsConfig,
+        *,
+        emb_dim: int,
+        init_std: float,
+        param_dtype: jnp.dtype,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ):
+        check_moe_config(cfg)
+        gmm_lib.get_backend(kernels.gmm_backend)  # an unknown name fails at build, not in jit
+        self.cfg, self.kernels, self.dtype = cfg, kernels, dtype
+        self.router = Router(
+            emb_dim, cfg.num_experts, init_std=init_std, param_dtype=param_dtype, rngs=rngs
+        )
+        self.experts = Experts(
+            cfg.num_experts,
+            emb_dim,
+            cfg.moe_intermediate_size,
+            init_std=init_std,
+            param_dtype=param_dtype,
+            dtype=dtype,
+            rngs=rngs,
+        )
+        if cfg.num_shared_experts > 0:
+            width = cfg.shared_intermediate_size or cfg.moe_intermediate_size
+            self.shared = SwiGLU(
+                emb_dim,
+                cfg.num_shared_experts * width,
+                init_std=init_std,
+                param_dtype=param_dtype,
+                dtype=dtype,
+                rngs=rngs,
+            )
+        else:
+            self.shared = None
+
+    def __call__(self, x_BSD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        cfg = self.cfg
+        b, s, d = x_BSD.shape
+        x_TD = x_BSD.reshape(b * s, d).astype(self.dtype)
+        logits_TE = self.router(x_TD)
+        weights_TK, ids_TK, probs_TE = route(logits_TE, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        if cfg.dispatch == "dropless":
+            y_TKD, dropped = self._dropless(x_TD, ids_TK), jnp.zeros((), jnp.float32)
+        else:
+            y_TKD, dropped = self._capacity(x_TD, ids_TK)
+        y_TD = dsp.combine(y_TKD, weights_TK, self.dtype)
+        if self.shared is not None:
+            y_TD = y_TD + self.shared(x_TD)
+        lb, z = load_balance_loss(probs_TE, ids_TK), router_z_loss(logits_TE)
+        aux = {
+            "moe_loss": cfg.aux_loss_weight * lb + cfg.z_loss_weight * z,
+            "load_balance_loss": lb,
+            "router_z_loss": z,
+            "dropped_fraction": dropped,
+        }
+        return y_TD.reshape(b, s, d), aux
+
+    def _dropless(self, x_TD, ids_TK):
+        xs_MD, group_sizes_E, order_M = dsp.permute(x_TD, ids_TK, self.cfg.num_experts)
+        ys_MD = self.experts.grouped(
+            xs_MD,
+            group_sizes_E,
+            backend=self.kernels.gmm_backend,
+            checked=self.kernels.checked,
+            tiling=self.kernels.tiling,
+        )
+        return dsp.unpermute(ys_MD, order_M, ids_TK.shape[1])
+
+    def _capacity(self, x_TD, ids_TK):
+        e = self.cfg.num_experts
+        t, k = ids_TK.shape
+        cap = dsp.capacity(t, k, e, self.cfg.capacity_factor)
+        pos_TK, keep_TK = dsp.capacity_slots(ids_TK, e, cap)
+        y_ECD = self.experts.batched(dsp.to_buffers(x_TD, ids_TK, pos_TK, e, cap))
+        dropped = 1.0 - jnp.mean(keep_TK.astype(jnp.float32))
+        return dsp.from_buffers(y_ECD, ids_TK, pos_TK), dropped

@@ -1,0 +1,61 @@
+"""E routed SwiGLU experts with stacked weights, computed grouped (dropless) or batched (capacity).
+
+Legend: E experts, D emb_dim, F moe_intermediate_size, M sorted assignment rows, C capacity.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moetext.kernels import gmm as gmm_lib
+from moetext.models.layers.params import make_param, normal
+
+
+class Experts(nnx.Module):
+    def __init__(
+        self,
+        num_experts: int,
+        emb_dim: int,
+        hidden_dim: int,
+        *,
+        init_std: float,
+        param_dtype: jnp.dtype,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ):
+        self.dtype = dtype
+        init = normal(init_std)
+        e, d, f = num_experts, emb_dim, hidden_dim
+        self.w_gate = make_param(rngs, init, (e, d, f), ("exp", "embed", "mlp_moe"), param_dtype)
+        self.w_up = make_param(rngs, init, (e, d, f), ("exp", "embed", "mlp_moe"), param_dtype)
+        self.w_down = make_param(rngs, init, (e, f, d), ("exp", "mlp_moe", "embed"), param_dtype)
+
+    def grouped(self, xs_MD, group_sizes_E, *, backend, checked=False, tiling=None) -> jax.Array:
+        """Rows sorted by expert (group_sizes_E of them per expert) through their expert's MLP."""
+        dt = self.dtype
+
+        def mm(lhs, w):
+            return gmm_lib.gmm(
+                lhs,
+                w[...].astype(dt),
+                group_sizes_E,
+                backend=backend,
+                preferred_element_type=dt,
+                checked=checked,
+                tiling=tiling,
+            )
+
+        xs_MD = xs_MD.astype(dt)
+        h_MF = jax.nn.silu(mm(xs_MD, self.w_gate)) * mm(xs_MD, self.w_up)
+        return mm(h_MF, self.w_down)
+
+    def batched(self, x_ECD: jax.Array) -> jax.Array:
+        """Fixed-capacity buffers [E, C, D] through their expert's MLP (plain einsums)."""
+        dt = self.dtype
+        x = x_ECD.astype(dt)
+        gate_ECF = jnp.einsum("ecd,edf->ecf", x, self.w_gate[...].astype(dt))
+        up_ECF = jnp.einsum("ecd,edf->ecf", x, self.w_up[...].astype(dt))
+        h_ECF = jax.nn.silu(gate_ECF) * up_ECF
+        return jnp.einsum("ecf,efd->ecd", h_ECF, self.w_down[...].astype(dt))

@@ -1,0 +1,215 @@
+"""MoE router, dispatch and block against float64 NumPy oracles.
+
+float32 compute throughout; tolerances: routing weights and losses are a handful of f32 ops on
+O(1) values, so rtol = atol = 1e-5; block outputs sum K expert MLPs of width 16 over D = 32,
+also well inside 1e-5 relative to the O(1e-1..1) outputs (checked with atol = 1e-5).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import np_ref
+import numpy as np
+import pytest
+from flax import nnx
+from tiny_configs import KERNELS, tiny_moe
+
+from moetext.config.schema import KernelsConfig
+from moetext.models.layers import SwiGLU
+from moetext.models.moe import MoEBlock, load_balance_loss, route, router_z_loss
+from moetext.models.moe import dispatch as dsp
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+T, D, E, K = 16, 32, 4, 2
+
+
+def _rand(seed, *shape):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def _block(moe_cfg, seed=0, kernels=KERNELS):
+    return MoEBlock(
+        moe_cfg,
+        kernels,
+        emb_dim=D,
+        init_std=0.3,
+        param_dtype=jnp.float32,
+        dtype=jnp.float32,
+        rngs=nnx.Rngs(params=seed),
+    )
+
+
+# One compiled program per block structure instead of dozens of eager op compiles.
+_apply = nnx.jit(lambda block, x: block(x))
+
+
+def _ids(seed, t=T, e=E, k=K):
+    # K distinct experts per token, like top-k produces.
+    rng = np.random.default_rng(seed)
+    return np.stack([rng.permutation(e)[:k] for _ in range(t)]).astype(np.int32)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_route_matches_reference(norm):
+    logits = _rand(0, T, E) * 2
+    w, ids, probs = route(jnp.asarray(logits), K, norm)
+    w_ref, ids_ref, probs_ref = np_ref.route(logits, K, norm)
+    np.testing.assert_array_equal(ids, ids_ref)
+    np.testing.assert_allclose(w, w_ref, **TOL)
+    np.testing.assert_allclose(probs, probs_ref, **TOL)
+    assert w.dtype == jnp.float32 and ids.dtype == jnp.int32
+
+
+def test_aux_losses_match_reference():
+    logits = _rand(1, T, E) * 3
+    _, ids, probs = route(jnp.asarray(logits), K, True)
+    lb = load_balance_loss(probs, ids)
+    np.testing.assert_allclose(lb, np_ref.load_balance(np.asarray(probs), np.asarray(ids)), **TOL)
+    np.testing.assert_allclose(router_z_loss(jnp.asarray(logits)), np_ref.z_loss(logits), **TOL)
+
+
+def test_load_balance_is_one_when_uniform():
+    # Uniform probabilities and every expert chosen equally often: E * sum (1/E)(1/E) * E = 1.
+    probs = jnp.full((8, E), 1.0 / E)
+    ids = jnp.asarray(np.arange(16).reshape(8, 2) % E, jnp.int32)
+    np.testing.assert_allclose(load_balance_loss(probs, ids), 1.0, rtol=1e-6)
+
+
+def test_permute_unpermute_round_trip():
+    x = _rand(2, T, D)
+    ids = _ids(3)
+    xs, sizes, order = dsp.permute(jnp.asarray(x), jnp.asarray(ids), E)
+    np.testing.assert_array_equal(sizes, np.bincount(ids.ravel(), minlength=E))
+    # Sorted rows are grouped by expert, and stable: token order within each group.
+    flat = ids.ravel()
+    np.testing.assert_array_equal(np.asarray(order), np.argsort(flat, kind="stable"))
+    np.testing.assert_array_equal(np.asarray(xs), x[np.argsort(flat, kind="stable") // K])
+    back = dsp.unpermute(xs, order, K)
+    np.testing.assert_array_equal(np.asarray(back), np.repeat(x[:, None], K, axis=1))
+
+
+def test_capacity_slots_match_reference_count():
+    ids = _ids(4)
+    for cap in (1, 3, 5, T):
+        _, keep = dsp.capacity_slots(jnp.asarray(ids), E, cap)
+        np.testing.assert_array_equal(np.asarray(keep), np_ref.capacity_keep(ids, E, cap))
+
+
+def test_capacity_buffers_round_trip_and_drop():
+    x, ids = _rand(5, T, D), _ids(6)
+    cap = 3
+    pos, keep = dsp.capacity_slots(jnp.asarray(ids), E, cap)
+    buf = dsp.to_buffers(jnp.asarray(x), jnp.asarray(ids), pos, E, cap)
+    back = np.asarray(dsp.from_buffers(buf, jnp.asarray(ids), pos))
+    expect = np.where(np.asarray(keep)[..., None], np.repeat(x[:, None], K, axis=1), 0.0)
+    np.testing.assert_array_equal(back, expect)
+
+
+def test_capacity_value_and_errors():
+    assert dsp.capacity(16, 2, 4, 1.25) == 10  # ceil(1.25 * 16 * 2 / 4)
+    assert dsp.capacity(16, 2, 4, 100.0) == 16  # clamped: an expert sees each token once at most
+    with pytest.raises(ValueError, match="capacity_factor"):
+        dsp.capacity(16, 2, 4, 0.0)
+
+
+@pytest.mark.parametrize("shared", [0, 2])
+def test_dropless_block_matches_reference(shared):
+    cfg = tiny_moe(num_shared_experts=shared, shared_intermediate_size=8)
+    block = _block(cfg)
+    x = _rand(7, 2, 8, D)
+    y, aux = _apply(block, jnp.asarray(x))
+    ex = block.experts
+    ref = np_ref.moe(
+        x.reshape(T, D),
+        block.router.w[...],
+        ex.w_gate[...],
+        ex.w_up[...],
+        ex.w_down[...],
+        K,
+        True,
+    )
+    if shared:
+        sh = block.shared
+        assert sh.w_gate[...].shape == (D, 2 * 8)  # fused: n * shared_intermediate_size
+        ref = ref + np_ref.swiglu(x.reshape(T, D), sh.w_gate[...], sh.w_up[...], sh.w_down[...])
+    np.testing.assert_allclose(np.asarray(y).reshape(T, D), ref, **TOL)
+    logits = x.reshape(T, D) @ np.asarray(block.router.w[...], np.float64)
+    _, ids, probs = np_ref.route(logits, K, True)
+    lb, z = np_ref.load_balance(probs, ids), np_ref.z_loss(logits)
+    np.testing.assert_allclose(aux["load_balance_loss"], lb, **TOL)
+    np.testing.assert_allclose(aux["router_z_loss"], z, **TOL)
+    np.testing.assert_allclose(aux["moe_loss"], 0.01 * lb + 0.001 * z, **TOL)
+    assert float(aux["dropped_fraction"]) == 0.0
+
+
+def test_one_expert_top1_equals_dense_swiglu():
+    # E = 1, K = 1, renormalised weight = 1: the block is exactly the dense MLP. The two paths
+    # differ only in matmul kernels (gmm vs dot), so f32 agreement is near machine precision.
+    cfg = tiny_moe(num_experts=1, num_experts_per_tok=1, norm_topk_prob=True)
+    block = _block(cfg)
+    mlp = SwiGLU(
+        D, 16, init_std=0.3, param_dtype=jnp.float32, dtype=jnp.float32, rngs=nnx.Rngs(params=1)
+    )
+    block.experts.w_gate[...] = mlp.w_gate[...][None]
+    block.experts.w_up[...] = mlp.w_up[...][None]
+    block.experts.w_down[...] = mlp.w_down[...][None]
+    x = jnp.asarray(_rand(8, 2, 8, D))
+    y, _ = _apply(block, x)
+    np.testing.assert_allclose(y, nnx.jit(lambda m, x: m(x))(mlp, x), rtol=1e-6, atol=1e-6)
+
+
+def test_capacity_large_factor_equals_dropless():
+    x = jnp.asarray(_rand(9, 2, 8, D))
+    y_drop, _ = _apply(_block(tiny_moe()), x)
+    y_cap, aux = _apply(_block(tiny_moe(dispatch="capacity", capacity_factor=4.0)), x)
+    np.testing.assert_allclose(y_cap, y_drop, **TOL)
+    assert float(aux["dropped_fraction"]) == 0.0
+
+
+def test_capacity_small_factor_drops_expected_assignments():
+    cfg = tiny_moe(dispatch="capacity", capacity_factor=0.5)
+    block = _block(cfg)
+    x = _rand(10, 2, 8, D)
+    y, aux = _apply(block, jnp.asarray(x))
+    logits = x.reshape(T, D) @ np.asarray(block.router.w[...], np.float64)
+    _, ids, _ = np_ref.route(logits, K, True)
+    cap = int(np.ceil(0.5 * T * K / E))
+    keep = np_ref.capacity_keep(ids, E, cap)
+    assert (~keep).sum() > 0  # the test must actually drop something
+    np.testing.assert_allclose(aux["dropped_fraction"], (~keep).mean(), rtol=1e-6)
+    ex = block.experts
+    ref = np_ref.moe(
+        x.reshape(T, D),
+        block.router.w[...],
+        ex.w_gate[...],
+        ex.w_up[...],
+        ex.w_down[...],
+        K,
+        True,
+        keep_TK=keep,
+    )
+    np.testing.assert_allclose(np.asarray(y).reshape(T, D), ref, **TOL)
+
+
+def test_block_gradients_are_finite():
+    block = _block(tiny_moe())
+    x = jnp.asarray(_rand(11, 2, 8, D))
+
+    def loss(b):
+        y, aux = b(x)
+        return jnp.sum(y**2) + aux["moe_loss"]
+
+    grads = nnx.jit(nnx.grad(loss))(block)
+    leaves = jax.tree.leaves(grads)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in leaves)
+    assert float(jnp.abs(grads["router"]["w"][...]).sum()) > 0  # router learns via weights+aux
+
+
+def test_bad_moe_config_and_backend_errors():
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        _block(tiny_moe(num_experts_per_tok=5))
+    with pytest.raises(ValueError, match="dispatch"):
+        _block(dataclasses.replace(tiny_moe(), dispatch="nope"))
+    with pytest.raises(ValueError, match="unknown gmm backend"):
+        _block(tiny_moe(), kernels=KernelsConfig(gmm_backend="nope"))
