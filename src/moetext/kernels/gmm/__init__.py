@@ -2,9 +2,14 @@
 
     out = gmm(lhs, rhs, group_sizes, backend="auto")      # [M,K] x [G,K,N] -> [M,N]
     dw  = tgmm(lhs, dout, group_sizes)                     # [M,K] x [M,N]   -> [G,K,N]
+
+Importing this package registers every backend whose dependencies import: reference,
+ragged_dot, blocked always; tokamax when installed; pallas_tpu when its module is present.
 """
 
-from moetext.kernels.gmm import ragged_dot  # noqa: F401  (registers the backend)
+import importlib as _importlib
+
+from moetext.kernels.gmm import blocked, ragged_dot, reference  # noqa: F401  (register)
 from moetext.kernels.gmm.api import gmm, local_row_mask, tgmm
 from moetext.kernels.gmm.backend import (
     GmmBackend,
@@ -13,8 +18,24 @@ from moetext.kernels.gmm.backend import (
     get_backend,
     register,
 )
+from moetext.kernels.gmm.reference import gmm_reference, tgmm_reference
+
+for _optional in ("tokamax_backend", "pallas_tpu"):
+    try:  # optional backends: a missing extra (tokamax) or a missing module is not an error
+        _importlib.import_module(f"moetext.kernels.gmm.{_optional}")
+    except ImportError as _err:
+        if _err.name not in (f"moetext.kernels.gmm.{_optional}", "tokamax"):
+            raise
 
 __all__ = [
-    "GmmBackend", "auto_backend_name", "available_backends", "get_backend", "gmm",
-    "local_row_mask", "register", "tgmm",
+    "GmmBackend",
+    "auto_backend_name",
+    "available_backends",
+    "get_backend",
+    "gmm",
+    "gmm_reference",
+    "local_row_mask",
+    "register",
+    "tgmm",
+    "tgmm_reference",
 ]

@@ -42,6 +42,7 @@ def gmm(
     preferred_element_type defaults to lhs.dtype.
     """
     be = get_backend(backend)
+    lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
     m, k = _check_2d("gmm", "lhs", lhs)
     if rhs.ndim != 3:
         raise ValueError(f"gmm: rhs must be [G, K, N] (rank 3), got shape {rhs.shape}")
@@ -83,6 +84,7 @@ def tgmm(
     num_groups (G_local) defaults to len(group_sizes); empty groups give zeros.
     """
     be = get_backend(backend)
+    lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
     m, k = _check_2d("tgmm", "lhs", lhs)
     m2, n = _check_2d("tgmm", "rhs", rhs)
     if m2 != m:
@@ -112,8 +114,13 @@ def local_row_mask(group_sizes, group_offset, num_local: int, m: int) -> jax.Arr
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _gmm(be, pet, transpose_rhs, tiling, lhs, rhs, group_sizes, group_offset):
     return be.gmm(
-        lhs, rhs, group_sizes, preferred_element_type=pet, transpose_rhs=transpose_rhs,
-        group_offset=group_offset, tiling=tiling,
+        lhs,
+        rhs,
+        group_sizes,
+        preferred_element_type=pet,
+        transpose_rhs=transpose_rhs,
+        group_offset=group_offset,
+        tiling=tiling,
     )
 
 
@@ -125,13 +132,23 @@ def _gmm_fwd(be, pet, transpose_rhs, tiling, lhs, rhs, group_sizes, group_offset
 def _gmm_bwd(be, pet, transpose_rhs, tiling, res, dout):
     lhs, rhs, group_sizes, group_offset = res
     dlhs = be.gmm(
-        dout, rhs, group_sizes, preferred_element_type=lhs.dtype,
-        transpose_rhs=not transpose_rhs, group_offset=group_offset, tiling=tiling,
+        dout,
+        rhs,
+        group_sizes,
+        preferred_element_type=lhs.dtype,
+        transpose_rhs=not transpose_rhs,
+        group_offset=group_offset,
+        tiling=tiling,
     )
     a, b = (dout, lhs) if transpose_rhs else (lhs, dout)
     drhs = be.tgmm(
-        a, b, group_sizes, num_groups=rhs.shape[0], preferred_element_type=rhs.dtype,
-        group_offset=group_offset, tiling=tiling,
+        a,
+        b,
+        group_sizes,
+        num_groups=rhs.shape[0],
+        preferred_element_type=rhs.dtype,
+        group_offset=group_offset,
+        tiling=tiling,
     )
     return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype), None, None
 
@@ -142,8 +159,13 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _tgmm(be, pet, num_groups, tiling, lhs, rhs, group_sizes, group_offset):
     return be.tgmm(
-        lhs, rhs, group_sizes, num_groups=num_groups, preferred_element_type=pet,
-        group_offset=group_offset, tiling=tiling,
+        lhs,
+        rhs,
+        group_sizes,
+        num_groups=num_groups,
+        preferred_element_type=pet,
+        group_offset=group_offset,
+        tiling=tiling,
     )
 
 
@@ -156,12 +178,22 @@ def _tgmm_bwd(be, pet, num_groups, tiling, res, dout):
     # out[g] = lhs_g.T @ rhs_g  =>  dlhs_g = rhs_g @ dout[g].T,  drhs_g = lhs_g @ dout[g]
     lhs, rhs, group_sizes, group_offset = res
     dlhs = be.gmm(
-        rhs, dout, group_sizes, preferred_element_type=lhs.dtype, transpose_rhs=True,
-        group_offset=group_offset, tiling=tiling,
+        rhs,
+        dout,
+        group_sizes,
+        preferred_element_type=lhs.dtype,
+        transpose_rhs=True,
+        group_offset=group_offset,
+        tiling=tiling,
     )
     drhs = be.gmm(
-        lhs, dout, group_sizes, preferred_element_type=rhs.dtype, transpose_rhs=False,
-        group_offset=group_offset, tiling=tiling,
+        lhs,
+        dout,
+        group_sizes,
+        preferred_element_type=rhs.dtype,
+        transpose_rhs=False,
+        group_offset=group_offset,
+        tiling=tiling,
     )
     return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype), None, None
 

@@ -76,7 +76,6 @@ def get_backend(name: str | GmmBackend = "auto") -> GmmBackend:
     if name == "auto":
         name = auto_backend_name()
     if name not in _REGISTRY:
-        raise ValueError(
-            f"unknown gmm backend {name!r}; valid names: {', '.join(['auto', *available_backends()])}"
-        )
+        valid = ", ".join(["auto", *available_backends()])
+        raise ValueError(f"unknown gmm backend {name!r}; valid names: {valid}")
     return _REGISTRY[name]()

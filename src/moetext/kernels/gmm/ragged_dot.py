@@ -17,7 +17,9 @@ def _local_sizes(group_sizes, group_offset, num_local: int, m: int):
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
     idx = group_offset + jnp.arange(num_local)
-    local = jnp.where(idx < group_sizes.shape[0], group_sizes[jnp.minimum(idx, group_sizes.shape[0] - 1)], 0)
+    local = jnp.where(
+        idx < group_sizes.shape[0], group_sizes[jnp.minimum(idx, group_sizes.shape[0] - 1)], 0
+    )
     lo = starts[group_offset]
     local = local.at[0].add(lo)
     rows = jnp.arange(m)
@@ -28,7 +30,9 @@ def _local_sizes(group_sizes, group_offset, num_local: int, m: int):
 class RaggedDotBackend:
     name = "ragged_dot"
 
-    def gmm(self, lhs, rhs, group_sizes, *, preferred_element_type, transpose_rhs, group_offset, tiling):
+    def gmm(
+        self, lhs, rhs, group_sizes, *, preferred_element_type, transpose_rhs, group_offset, tiling
+    ):
         del tiling
         m = lhs.shape[0]
         sizes, mask = _local_sizes(group_sizes, group_offset, rhs.shape[0], m)
@@ -38,7 +42,9 @@ class RaggedDotBackend:
         out = jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=preferred_element_type)
         return jnp.where(mask[:, None], out, jnp.zeros((), out.dtype))
 
-    def tgmm(self, lhs, rhs, group_sizes, *, num_groups, preferred_element_type, group_offset, tiling):
+    def tgmm(
+        self, lhs, rhs, group_sizes, *, num_groups, preferred_element_type, group_offset, tiling
+    ):
         del tiling
         m = lhs.shape[0]
         sizes, mask = _local_sizes(group_sizes, group_offset, num_groups, m)

@@ -1,0 +1,200 @@
+"""Backend "blocked": portable XLA grouped matmul (no Pallas) that is fast on CPU.
+
+Legend: M rows (sorted by group), K contraction, N outputs, G groups in group_sizes, L local
+groups (rhs.shape[0]), T a static row-tile size (`tm` for full tiles, a multiple of `step` for
+the one remainder tile of a group).
+
+Plan: one loop over the L local groups. A group's rows are a contiguous window of lhs, so each
+group reads its rows in place with dynamic slices (no gather of rows, no gather of weights):
+  * full tiles of `tm` rows (a dynamic-trip-count loop, so empty and small groups cost nothing),
+  * then a single remainder tile whose size is rounded up to a multiple of `step`, picked by
+    `lax.switch` among the tm // step static sizes (one matmul call, waste < step rows).
+A tile may run past its group (or past M, where the slice is clamped back): the rows that are not
+the group's are masked, so every output row is written only by its own group.
+
+Why this shape: on XLA:CPU every dot call pays a fixed cost (weight packing, thread start) and
+small tiles waste throughput, while padding to a row tile wastes FLOPs. Full tiles of up to 512
+rows run at dense-matmul speed; one rounded remainder tile per group bounds the padding at
+L * step rows and the call count at M / tm + L. A single batched dot over padded tiles would
+instead need a [tiles, K, N] gather of the weights, which costs more memory traffic than the
+matmul itself at K=2048, N=768.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from moetext.kernels.gmm.backend import Tiling, register
+
+_MAX_TM = 512  # larger full tiles gain nothing measurable on XLA:CPU and raise the waste bound
+_MIN_TM = 128  # below this a full tile is too small to reach matmul speed
+_SIZES_BELOW_TM = 16  # smallest remainder tile is tm / 16: each size is one more compiled dot
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def choose_tiles(m: int, num_local: int, tiling: Tiling | None = None) -> tuple[int, ...]:
+    """Static tile row counts, largest first: tiles[0] = tm for full tiles, then the remainder
+    sizes tm/2, tm/4, ... down to max(8, tm/16) (all powers of two, all <= M).
+
+    By default tm is about twice the mean group size (so a typical group is one or two calls),
+    clamped to [128, 512]; tiling[0] overrides it (rounded up to a power of two). tm never
+    exceeds M (rounded down to a power of two) because tiles are clamped slices of lhs.
+    """
+    if tiling is not None and not callable(tiling):
+        tm = _pow2_at_least(tiling[0])
+    else:  # a callable tiling is a per-chip TPU table (tiling.py); CPU tiles are chosen here
+        tm = min(_MAX_TM, max(_MIN_TM, _pow2_at_least(2 * m // max(num_local, 1))))
+    tm = min(tm, 1 << (max(m, 1).bit_length() - 1))
+    smallest = min(tm, max(8, tm // _SIZES_BELOW_TM))
+    return tuple(tm >> i for i in range((tm // smallest).bit_length()))
+
+
+def _acc_dtype(pet) -> jnp.dtype:
+    # Low-precision outputs still accumulate in f32 (as ragged_dot and the MXU do); on XLA:CPU a
+    # bf16 x bf16 -> f32 dot costs the same as bf16 -> bf16.
+    pet = jnp.dtype(pet)
+    if jnp.issubdtype(pet, jnp.floating):
+        return jnp.promote_types(pet, jnp.float32)
+    return pet
+
+
+def _group_window(group_sizes, group_offset, i):
+    """Start row and size of local group i (size 0 if the window runs past the real groups)."""
+    ends = jnp.cumsum(group_sizes)
+    g = group_offset + i
+    gc = jnp.minimum(g, group_sizes.shape[0] - 1)
+    size = jnp.where(g < group_sizes.shape[0], group_sizes[gc], 0)
+    return ends[gc] - group_sizes[gc], size
+
+
+def _for_each_tile(carry, start, size, tiles: tuple[int, ...], tile_fn):
+    """Calls tile_fn(carry, row0, rows) for tiles covering rows [start, start + size).
+
+    Full tiles of tiles[0] rows, then one tile for the remainder: the smallest size in `tiles`
+    that holds it (so at most one extra call per group, padding below 2x the remainder).
+    """
+    tm = tiles[0]
+    full = size // tm
+    carry = lax.fori_loop(0, full, lambda j, c: tile_fn(c, start + j * tm, tm), carry)
+    rem = size - full * tm
+    row0 = start + full * tm
+    # Branch 0 skips; branch b uses tiles[-b] (ascending sizes); the first size >= rem wins.
+    ascending = tiles[::-1]
+    pick = jnp.sum(jnp.asarray(ascending[:-1]) < rem) + 1
+    branches = [lambda c: c] + [(lambda c, t=t: tile_fn(c, row0, t)) for t in ascending]
+    return lax.switch(jnp.where(rem > 0, pick, 0), branches, carry)
+
+
+def _row_slice(x_MX, row0, rows: int):
+    """x[row0 : row0 + rows] clamped into range, and the mask of rows in [row0, row0 + rows)."""
+    s = jnp.clip(row0, 0, x_MX.shape[0] - rows)
+    r = s + jnp.arange(rows)
+    return s, lax.dynamic_slice_in_dim(x_MX, s, rows, 0), (r >= row0) & (r < row0 + rows)
+
+
+def blocked_gmm(
+    lhs_MK,
+    rhs,
+    group_sizes,
+    *,
+    preferred_element_type,
+    transpose_rhs=False,
+    group_offset=0,
+    tiling=None,
+):
+    """Grouped matmul by per-group row tiles; see the module docstring."""
+    m = lhs_MK.shape[0]
+    num_local = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    pet = jnp.dtype(preferred_element_type)
+    acc = _acc_dtype(pet)
+    tiles = choose_tiles(m, num_local, tiling)
+    contract = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
+    group_offset = jnp.asarray(group_offset, jnp.int32)
+
+    def group(i, out_MN):
+        start, size = _group_window(group_sizes, group_offset, i)
+        w = lax.dynamic_index_in_dim(rhs, i, 0, keepdims=False)
+        end = start + size
+
+        def tile(out_MN, row0, rows):
+            s, x_TK, mask = _row_slice(lhs_MK, row0, rows)
+            mask &= s + jnp.arange(rows) < end
+            y_TN = lax.dot_general(x_TK, w, contract, preferred_element_type=acc).astype(pet)
+            old = lax.dynamic_slice_in_dim(out_MN, s, rows, 0)
+            return lax.dynamic_update_slice_in_dim(
+                out_MN, jnp.where(mask[:, None], y_TN, old), s, 0
+            )
+
+        return _for_each_tile(out_MN, start, size, tiles, tile)
+
+    return lax.fori_loop(0, num_local, group, jnp.zeros((m, n), pet))
+
+
+def blocked_tgmm(
+    lhs_MK, rhs_MN, group_sizes, *, num_groups, preferred_element_type, group_offset=0, tiling=None
+):
+    """out[g] = lhs[rows of g].T @ rhs[rows of g] by per-group row tiles -> [L, K, N]."""
+    m, k = lhs_MK.shape
+    n = rhs_MN.shape[1]
+    pet = jnp.dtype(preferred_element_type)
+    acc = _acc_dtype(pet)
+    tiles = choose_tiles(m, num_groups, tiling)
+    contract_rows = (((0,), (0,)), ((), ()))
+    group_offset = jnp.asarray(group_offset, jnp.int32)
+
+    def group(i, out_LKN):
+        start, size = _group_window(group_sizes, group_offset, i)
+        end = start + size
+
+        def tile(acc_KN, row0, rows):
+            s, x_TK, mask = _row_slice(lhs_MK, row0, rows)
+            mask &= s + jnp.arange(rows) < end
+            # Zeroing the foreign rows of one operand removes their whole contribution.
+            x_TK = jnp.where(mask[:, None], x_TK, jnp.zeros((), x_TK.dtype))
+            y_TN = lax.dynamic_slice_in_dim(rhs_MN, s, rows, 0)
+            return acc_KN + lax.dot_general(x_TK, y_TN, contract_rows, preferred_element_type=acc)
+
+        acc_KN = _for_each_tile(jnp.zeros((k, n), acc), start, size, tiles, tile)
+        return out_LKN.at[i].set(acc_KN.astype(pet))
+
+    return lax.fori_loop(0, num_groups, group, jnp.zeros((num_groups, k, n), pet))
+
+
+class BlockedBackend:
+    """Per-group row tiles over lax.dot_general; jit-able with traced group_sizes."""
+
+    name = "blocked"
+
+    def gmm(
+        self, lhs, rhs, group_sizes, *, preferred_element_type, transpose_rhs, group_offset, tiling
+    ):
+        return blocked_gmm(
+            lhs,
+            rhs,
+            group_sizes,
+            preferred_element_type=preferred_element_type,
+            transpose_rhs=transpose_rhs,
+            group_offset=group_offset,
+            tiling=tiling,
+        )
+
+    def tgmm(
+        self, lhs, rhs, group_sizes, *, num_groups, preferred_element_type, group_offset, tiling
+    ):
+        return blocked_tgmm(
+            lhs,
+            rhs,
+            group_sizes,
+            num_groups=num_groups,
+            preferred_element_type=preferred_element_type,
+            group_offset=group_offset,
+            tiling=tiling,
+        )
+
+
+register("blocked", BlockedBackend)

@@ -1,0 +1,96 @@
+"""Float64 NumPy oracles for gmm/tgmm, and the "reference" backend that runs them in a callback.
+
+Legend: M rows (sorted by group), K contraction, N outputs, G groups in group_sizes, L local
+groups (rhs.shape[0] for gmm, num_groups for tgmm) serving groups
+[group_offset, group_offset + L).
+
+These loops are the definition every backend is tested against: slow, obvious, float64.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moetext.kernels.gmm.backend import register
+
+
+def _windows(group_sizes, group_offset: int, num_local: int):
+    """(local index, first row, last row + 1) for each local group that exists in group_sizes."""
+    sizes = np.asarray(group_sizes).astype(np.int64)
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    offset = int(group_offset)
+    for i in range(num_local):
+        g = offset + i
+        if 0 <= g < len(sizes):
+            yield i, int(starts[g]), int(ends[g])
+
+
+def gmm_reference(lhs, rhs, group_sizes, *, transpose_rhs=False, group_offset=0) -> np.ndarray:
+    """[M, N] float64: rows of local group g = lhs rows @ rhs[g - group_offset]; others zero.
+
+    lhs [M, K]; rhs [L, K, N] ([L, N, K] when transpose_rhs); group_sizes [G] int.
+    """
+    lhs_MK = np.asarray(lhs, np.float64)
+    rhs = np.asarray(rhs, np.float64)
+    rhs_LKN = np.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+    out_MN = np.zeros((lhs_MK.shape[0], rhs_LKN.shape[2]), np.float64)
+    for i, lo, hi in _windows(group_sizes, group_offset, rhs_LKN.shape[0]):
+        out_MN[lo:hi] = lhs_MK[lo:hi] @ rhs_LKN[i]
+    return out_MN
+
+
+def tgmm_reference(lhs, rhs, group_sizes, *, num_groups=None, group_offset=0) -> np.ndarray:
+    """[L, K, N] float64: out[i] = lhs[rows of g].T @ rhs[rows of g] for g = group_offset + i.
+
+    lhs [M, K]; rhs [M, N]; num_groups (L) defaults to len(group_sizes); empty groups are zero.
+    """
+    lhs_MK = np.asarray(lhs, np.float64)
+    rhs_MN = np.asarray(rhs, np.float64)
+    num_local = len(np.asarray(group_sizes)) if num_groups is None else int(num_groups)
+    out_LKN = np.zeros((num_local, lhs_MK.shape[1], rhs_MN.shape[1]), np.float64)
+    for i, lo, hi in _windows(group_sizes, group_offset, num_local):
+        out_LKN[i] = lhs_MK[lo:hi].T @ rhs_MN[lo:hi]
+    return out_LKN
+
+
+class ReferenceBackend:
+    """The oracles behind jax.pure_callback: works under jit, and under grad via the api vjp."""
+
+    name = "reference"
+
+    def gmm(
+        self, lhs, rhs, group_sizes, *, preferred_element_type, transpose_rhs, group_offset, tiling
+    ):
+        del tiling
+        n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+        pet = jnp.dtype(preferred_element_type)
+
+        def host(lhs, rhs, group_sizes, group_offset):
+            out = gmm_reference(
+                lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, group_offset=group_offset
+            )
+            return out.astype(pet)
+
+        shape = jax.ShapeDtypeStruct((lhs.shape[0], n), pet)
+        return jax.pure_callback(host, shape, lhs, rhs, group_sizes, group_offset)
+
+    def tgmm(
+        self, lhs, rhs, group_sizes, *, num_groups, preferred_element_type, group_offset, tiling
+    ):
+        del tiling
+        pet = jnp.dtype(preferred_element_type)
+
+        def host(lhs, rhs, group_sizes, group_offset):
+            out = tgmm_reference(
+                lhs, rhs, group_sizes, num_groups=num_groups, group_offset=group_offset
+            )
+            return out.astype(pet)
+
+        shape = jax.ShapeDtypeStruct((num_groups, lhs.shape[1], rhs.shape[1]), pet)
+        return jax.pure_callback(host, shape, lhs, rhs, group_sizes, group_offset)
+
+
+register("reference", ReferenceBackend)
