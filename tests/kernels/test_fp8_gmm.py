@@ -5,6 +5,13 @@ tiles. Shapes are small (interpret mode is slow) but K and M are multiples of 12
 block structure matters. Runtime: ~40 s on 2 CPU cores; the tpu_aot tests add ~20 s.
 """
 
+import os
+
+# AOT tests only describe a topology, never open a TPU: don't contend for libtpu's process lock
+# with other test processes (read when libtpu first initialises, so set before any test runs).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
 import jax
 import jax.numpy as jnp
 import numpy as np

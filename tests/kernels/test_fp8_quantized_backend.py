@@ -1,0 +1,266 @@
+"""QuantizedGmm over every registered gmm backend: forward and gradients against FP8 oracles.
+
+Legend: M rows, K contraction, N outputs, G groups, L local groups (window from group_offset).
+Oracles: quantize with reference.quantize_reference (bit-exact with the implementation, see
+test_fp8_quantize), multiply dequantized operands in float64. Runtime: ~50 s on 2 cores.
+"""
+
+import os
+
+# AOT tests only describe a topology, never open a TPU: don't contend for libtpu's process lock
+# with other test processes (read when libtpu first initialises, so set before any test runs).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from moetext.kernels.fp8 import Fp8Recipe, QuantizedGmm
+from moetext.kernels.fp8 import reference as ref
+from moetext.kernels.gmm import GmmBackend, available_backends, get_backend
+
+# Emulated backends multiply float32-dequantized operands (one float32 rounding each) and the
+# FP8 kernels multiply exactly; both accumulate in float32: ~K * 2^-24 of the largest output.
+TOL = 1e-5
+E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
+M, K, N, G, L, OFFSET = 256, 256, 128, 4, 3, 1
+SIZES = [40, 70, 0, 100]  # window = groups 1..3; rows 0..39 and 210..255 are outside it
+
+
+def _close(out, want):
+    out = np.asarray(out, np.float64)
+    np.testing.assert_allclose(out, want, rtol=0, atol=TOL * np.abs(want).max())
+
+
+def _data(shape, seed, dtype=jnp.float32):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def _q(x, axis, dtype=E4M3, bs=128):
+    return ref.quantize_reference(np.asarray(x, np.float32), axis=axis, block_size=bs, dtype=dtype)
+
+
+def _call(qb, lhs, rhs, transpose=False, pet=jnp.float32):
+    return qb.differentiable_gmm(
+        lhs,
+        rhs,
+        jnp.asarray(SIZES, jnp.int32),
+        preferred_element_type=pet,
+        transpose_rhs=transpose,
+        group_offset=jnp.int32(OFFSET),
+        tiling=None,
+    )
+
+
+def test_recipe_validation():
+    with pytest.raises(ValueError, match="valid: 1x128, 128x128"):
+        Fp8Recipe(weight_block="128x1")
+    with pytest.raises(ValueError, match="valid: 1x32, 32x32"):
+        Fp8Recipe(block_size=32, weight_block="1x128")
+    with pytest.raises(ValueError, match="bwd_quantize"):
+        Fp8Recipe(bwd_quantize="yes")
+    with pytest.raises(ValueError, match="grad_dtype"):
+        Fp8Recipe(grad_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="save_rhs"):
+        Fp8Recipe(save_rhs="bf16")
+    assert Fp8Recipe(grad_dtype=jnp.float8_e5m2).grad_dtype == "float8_e5m2"
+    assert hash(Fp8Recipe()) == hash(Fp8Recipe())  # static argument of the custom_vjp
+
+
+def test_wrapper_is_a_backend():
+    qb = QuantizedGmm(get_backend("ragged_dot"))
+    assert isinstance(qb, GmmBackend) and qb.name == "fp8[ragged_dot]"
+    assert not qb.bwd_quantize and QuantizedGmm(get_backend("pallas_tpu")).bwd_quantize  # auto
+    with pytest.raises(ValueError, match="already quantized"):
+        QuantizedGmm(qb)
+    with pytest.raises(ValueError, match="must implement GmmBackend"):
+        QuantizedGmm(object())
+
+
+@pytest.mark.parametrize("name", available_backends())
+def test_every_backend_gives_fp8_numbers(name):
+    # blocked is the slowest here (~10 s of XLA:CPU compiles for its loops) but stays: it is the
+    # CPU default. Forward gmm (EP window, transposed weights) and tgmm through the protocol.
+    qb = QuantizedGmm(get_backend(name))
+    x, w, d = _data((M, K), 0), _data((L, N, K), 1), _data((M, N), 2)
+    gs = jnp.asarray(SIZES, jnp.int32)
+    out = qb.gmm(
+        x,
+        w,
+        gs,
+        preferred_element_type=jnp.float32,
+        transpose_rhs=True,
+        group_offset=jnp.int32(OFFSET),
+        tiling=None,
+    )
+    want = ref.gmm_fp8_reference(
+        *_q(x, 1), *_q(w, 2), SIZES, group_offset=OFFSET, transpose_rhs=True
+    )
+    _close(out, want)
+    out_t = qb.tgmm(
+        x,
+        d,
+        gs,
+        num_groups=L,
+        preferred_element_type=jnp.float32,
+        group_offset=jnp.int32(OFFSET),
+        tiling=None,
+    )
+    _close(
+        out_t,
+        ref.tgmm_fp8_reference(*_q(x, 0), *_q(d, 0), SIZES, num_groups=L, group_offset=OFFSET),
+    )
+
+
+def _grad_oracle(x, w, dy, transpose, grad_dtype=E4M3):
+    """FP8 oracles for (out, dlhs, drhs) with a quantized backward (bwd_quantize=True)."""
+    contract, other = (2, 1) if transpose else (1, 2)
+    out = ref.gmm_fp8_reference(
+        *_q(x, 1), *_q(w, contract), SIZES, group_offset=OFFSET, transpose_rhs=transpose
+    )
+    dlhs = ref.gmm_fp8_reference(
+        *_q(dy, 1, grad_dtype),
+        *_q(w, other),
+        SIZES,
+        group_offset=OFFSET,
+        transpose_rhs=not transpose,
+    )
+    a, b = _q(x, 0), _q(dy, 0, grad_dtype)
+    args = (*b, *a) if transpose else (*a, *b)
+    drhs = ref.tgmm_fp8_reference(*args, SIZES, num_groups=L, group_offset=OFFSET)
+    return out, dlhs, drhs
+
+
+# ragged_dot stands for the emulated backends (blocked and reference take the same emulation
+# path and only add compile / callback time); pallas_tpu runs the FP8 kernels.
+@pytest.mark.parametrize("name", ["pallas_tpu", "ragged_dot"])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_gradients_match_quantized_reference(name, transpose):
+    qb = QuantizedGmm(get_backend(name), Fp8Recipe(bwd_quantize=True))
+    x, dy = _data((M, K), 3), _data((M, N), 4)
+    w = _data((L, N, K) if transpose else (L, K, N), 5)
+    out, vjp = jax.vjp(lambda x, w: _call(qb, x, w, transpose), x, w)
+    dx, dw = vjp(dy)
+    want = _grad_oracle(x, w, dy, transpose)
+    for got, exp in zip((out, dx, dw), want, strict=True):
+        _close(got, exp)
+
+
+def test_e5m2_gradients_and_fp8_weight_residuals():
+    recipe = Fp8Recipe(bwd_quantize=True, grad_dtype="float8_e5m2", save_rhs="fp8")
+    qb = QuantizedGmm(get_backend("ragged_dot"), recipe)
+    x, w, dy = _data((M, K), 6), _data((L, K, N), 7), _data((M, N), 8)
+    out, vjp = jax.vjp(lambda x, w: _call(qb, x, w), x, w)
+    for got, exp in zip((out, *vjp(dy)), _grad_oracle(x, w, dy, False, E5M2), strict=True):
+        _close(got, exp)
+    # Residuals: FP8 values (+ float32 scales and the int32 group sizes) only.
+    kinds = {jnp.dtype(r.dtype).name for r in jax.tree_util.tree_leaves(vjp)}
+    assert kinds == {"float8_e4m3fn", "float32", "int32"}, kinds
+
+
+def test_unquantized_backward_uses_fp8_residuals():
+    # bwd_quantize=False: dlhs = dout @ w.T at input precision; drhs from the dequantized
+    # rowwise FP8 lhs (the forward's own quantization, saved instead of a copy of x).
+    qb = QuantizedGmm(get_backend("ragged_dot"), Fp8Recipe(bwd_quantize=False))
+    x, w, dy = _data((M, K), 9), _data((L, K, N), 10), _data((M, N), 11)
+    _, vjp = jax.vjp(lambda x, w: _call(qb, x, w), x, w)
+    dx, dw = vjp(dy)
+    _close(dx, ref.gmm_reference_f64(dy, w, SIZES, group_offset=OFFSET, transpose_rhs=True))
+    x_dq = ref.dequantize_reference(*_q(x, 1), axis=1)
+    _close(dw, ref.tgmm_reference_f64(x_dq, dy, SIZES, num_groups=L, group_offset=OFFSET))
+
+
+@pytest.mark.parametrize("name", ["pallas_tpu", "ragged_dot"])
+def test_square_weight_tiles(name):
+    # 128x128 weight tiles: one quantization of w serves the forward (contract K) and the
+    # backward (contract N); K = 256 and N = 256 give a 2 x 2 grid of tile scales.
+    qb = QuantizedGmm(get_backend(name), Fp8Recipe(weight_block="128x128", bwd_quantize=True))
+    x, w, dy = _data((M, K), 12), _data((L, K, 256), 13), _data((M, 256), 14)
+    out, vjp = jax.vjp(lambda x, w: _call(qb, x, w), x, w)
+    dx, dw = vjp(dy)
+    wq, ws = ref.quantize_tiles_reference(w)
+    per_col = np.repeat(ws, 128, axis=2)  # [L, K/128, N]: a tile scale for each column
+    per_row = np.repeat(ws, 128, axis=1)  # [L, K, N/128]: for contracting N
+    _close(out, ref.gmm_fp8_reference(*_q(x, 1), wq, per_col, SIZES, group_offset=OFFSET))
+    _close(
+        dx,
+        ref.gmm_fp8_reference(
+            *_q(dy, 1), wq, per_row, SIZES, group_offset=OFFSET, transpose_rhs=True
+        ),
+    )
+    _close(
+        dw, ref.tgmm_fp8_reference(*_q(x, 0), *_q(dy, 0), SIZES, num_groups=L, group_offset=OFFSET)
+    )
+
+
+def test_residuals_hold_no_high_precision_activation():
+    qb = QuantizedGmm(get_backend("ragged_dot"))
+    x, w = _data((M, K), 15, jnp.bfloat16), _data((L, K, N), 16, jnp.bfloat16)
+    out, vjp = jax.vjp(lambda x, w: _call(qb, x, w, pet=jnp.bfloat16), x, w)
+    res = [(r.shape, jnp.dtype(r.dtype).name) for r in jax.tree_util.tree_leaves(vjp)]
+    assert ((M, K), "float8_e4m3fn") in res and ((M, K), "bfloat16") not in res, res
+    # save_rhs="input": the weights are kept as given (a parameter: no extra memory).
+    assert ((L, K, N), "bfloat16") in res
+    dx, dw = vjp(jnp.ones_like(out))
+    assert (dx.dtype, dw.dtype) == (jnp.bfloat16, jnp.bfloat16)
+
+
+def test_tgmm_gradient_runs_on_dequantized_residuals():
+    qb = QuantizedGmm(get_backend("ragged_dot"))
+    x, d, dout = _data((M, K), 17), _data((M, N), 18), _data((L, K, N), 19)
+    f = lambda x, d: qb.differentiable_tgmm(
+        x,
+        d,
+        jnp.asarray(SIZES, jnp.int32),
+        num_groups=L,
+        preferred_element_type=jnp.float32,
+        group_offset=jnp.int32(OFFSET),
+        tiling=None,
+    )
+    out, vjp = jax.vjp(f, x, d)
+    dx, dd = vjp(dout)
+    xq, dq = (
+        ref.dequantize_reference(*_q(x, 0), axis=0),
+        ref.dequantize_reference(*_q(d, 0), axis=0),
+    )
+    _close(out, ref.tgmm_reference_f64(xq, dq, SIZES, num_groups=L, group_offset=OFFSET))
+    # out[g] = x_g.T d_g  =>  dx_g = d_g dout[g].T, dd_g = x_g dout[g] (others zero).
+    _close(dx, ref.gmm_reference_f64(dq, dout, SIZES, group_offset=OFFSET, transpose_rhs=True))
+    _close(dd, ref.gmm_reference_f64(xq, dout, SIZES, group_offset=OFFSET))
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("topology", ["v5p:2x2x1", "v6e:2x2", "tpu7x:2x2x1"])
+def test_fp8_training_gradient_compiles_for_tpu(topology):
+    from jax.experimental import topologies
+    from jax.sharding import SingleDeviceSharding
+
+    from moetext.kernels.gmm.pallas_tpu import PallasTpuBackend
+
+    dev = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices[0]
+    qb = QuantizedGmm(PallasTpuBackend.for_device(dev))
+    sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=SingleDeviceSharding(dev))
+    m, k, n, g = 1024, 512, 256, 4
+
+    def loss(x, w, gs):
+        out = qb.differentiable_gmm(
+            x,
+            w,
+            gs,
+            preferred_element_type=jnp.bfloat16,
+            transpose_rhs=False,
+            group_offset=jnp.int32(0),
+            tiling=None,
+        )
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    compiled = grad.lower(
+        sds((m, k), jnp.bfloat16), sds((g, k, n), jnp.bfloat16), sds((g,), jnp.int32)
+    ).compile()
+    text = compiled.as_text()
+    assert text.count("tpu_custom_call") >= 3  # fwd gmm_fp8, bwd gmm_fp8 and tgmm_fp8
+    assert "f8e4m3fn" in text
