@@ -50,7 +50,7 @@ def make_train_step(
         metrics = {
             "loss": loss,
             "ce_loss": ce,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "lr": lr_schedule(state.step),
             **{k: v for k, v in aux.items()},
         }
