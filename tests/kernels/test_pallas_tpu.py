@@ -263,6 +263,12 @@ def test_tiling_callable_and_defaults():
     _assert_close(out, ref, gmm_reference(abs(a), abs(b), gs), case.k, jnp.bfloat16, "gmm")
     # Qwen3-30B-A3B experts (D=2048, F=768, E=128, 65536 rows): tiles divide K and N.
     assert default_tiling(65536, 2048, 768, jnp.bfloat16, "v6e", num_groups=128) == (512, 1024, 768)
+    # v5p's two TensorCores split the N tiles, so F=768 is cut in two.
+    assert default_tiling(65536, 2048, 768, jnp.bfloat16, "v5p", num_groups=128) == (
+        512,
+        1024,
+        384,
+    )
     assert default_tiling(65536, 768, 2048, jnp.bfloat16, "v5e", num_groups=128) == (512, 768, 1024)
 
 

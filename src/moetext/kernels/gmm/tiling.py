@@ -27,6 +27,7 @@ class ChipSpec:
     vmem_bytes: int  # VMEM per TensorCore (jax's pltpu.get_tpu_info_for_chip)
     mxu: int  # MXU width: K and N tiles in multiples of it keep the systolic array full
     tiles: Tiling  # default (tm, tk, tn) for 16-bit operands
+    cores: int = 1  # TensorCores behind one JAX device (megacore): "parallel" grid axes split
 
 
 # Defaults aim for a per-step arithmetic intensity tm*tn/(tm+tn) flop/byte above each chip's
@@ -34,7 +35,7 @@ class ChipSpec:
 # while the double-buffered blocks plus the f32 accumulator stay far below VMEM (~10-16 MiB).
 CHIPS: dict[str, ChipSpec] = {
     "v5e": ChipSpec(128 * MiB, 128, (512, 1024, 1024)),
-    "v5p": ChipSpec(64 * MiB, 128, (512, 1024, 1024)),
+    "v5p": ChipSpec(64 * MiB, 128, (512, 1024, 1024), cores=2),
     "v6e": ChipSpec(128 * MiB, 256, (1024, 1024, 1024)),
     "tpu7x": ChipSpec(64 * MiB, 256, (512, 1024, 1024)),
 }
@@ -63,6 +64,10 @@ def check_chip(chip: str) -> str:
     return chip
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _pow2_ceil(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
@@ -89,7 +94,11 @@ def default_tiling(m: int, k: int, n: int, dtype, chip: str, *, num_groups: int 
         tk0 //= 2  # keeps VMEM per step near the 16-bit budget
     mean_rows = max(1, m // max(1, num_groups))
     tm = min(tm0, max(LANES, _pow2_ceil(mean_rows)))
-    return tm, _fit(k, tk0, spec.mxu), _fit(n, tn0, spec.mxu)
+    tn = _fit(n, tn0, spec.mxu)
+    # gmm splits the N tiles across a megacore's TensorCores: one N tile idles a core.
+    while cdiv(n, tn) < spec.cores and tn % (2 * LANES) == 0:
+        tn //= 2
+    return tm, _fit(k, tk0, spec.mxu), tn
 
 
 def resolve_tiling(
