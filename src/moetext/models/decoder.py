@@ -139,13 +139,24 @@ class Decoder(nnx.Module):
         init = normal(cfg.init_std)
         self.embed = make_param(rngs, init, (cfg.vocab_size, cfg.emb_dim), ("vocab", "embed"), pdt)
 
-        def make_layer(use_moe, r):
+        # Layer i draws from its own key fold_in(base, i), in both layouts, so a scanned and an
+        # unrolled model built from the same seed hold the same weights (restacked).
+        base_key = rngs.params()
+
+        def make_layer(use_moe, key):
+            r = nnx.Rngs(params=key)
             return DecoderLayer(cfg, moe_cfg, kernels_cfg, use_moe=use_moe, rngs=r)
 
         if cfg.scan_layers:
-            self.stacks = nnx.List([_make_stack(make_layer, m, n, rngs) for m, n in self.segments])
+            stacks, start = [], 0
+            for use_moe, count in self.segments:
+                keys = [jax.random.fold_in(base_key, i) for i in range(start, start + count)]
+                stacks.append(_make_stack(make_layer, use_moe, jnp.stack(keys)))
+                start += count
+            self.stacks = nnx.List(stacks)
         else:
-            self.layers = nnx.List([make_layer(bool(m), rngs) for m in moe_pattern])
+            keys = [jax.random.fold_in(base_key, i) for i in range(cfg.num_layers)]
+            self.layers = nnx.List([make_layer(bool(m), k) for m, k in zip(moe_pattern, keys)])
         self.final_norm = RMSNorm(cfg.emb_dim, eps=cfg.rms_norm_eps, param_dtype=pdt, rngs=rngs)
         if not cfg.tie_embeddings:
             self.lm_head = make_param(
@@ -195,15 +206,15 @@ class Decoder(nnx.Module):
         return x_BSD, aux_sum
 
 
-def _make_stack(make_layer, use_moe: bool, count: int, rngs: nnx.Rngs):
-    """`count` layers of one kind with params stacked on a leading "layers" axis."""
-
-    @nnx.split_rngs(splits=count)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def create(r):
-        return make_layer(bool(use_moe), r)
-
-    return create(rngs)
+def _make_stack(make_layer, use_moe: bool, keys):
+    """One layer per key, with params stacked on a leading "layers" axis."""
+    create = nnx.vmap(
+        lambda key: make_layer(use_moe, key),
+        in_axes=0,
+        out_axes=0,
+        transform_metadata={nnx.PARTITION_NAME: "layers"},
+    )
+    return create(keys)
 
 
 def _check_model_config(cfg: ModelConfig) -> None:
