@@ -68,7 +68,11 @@ def logical_to_mesh_spec(
 
 @contextlib.contextmanager
 def use_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
-    """Activates `constrain` for the enclosed code (tracing included) with this mesh and rules."""
+    """Activates `constrain` with this mesh and rules for code traced inside the block.
+
+    The rules are read at trace time and jit's caches do not key on them: lower or first-call
+    a jitted step inside the block (a function already traced outside keeps no constraints).
+    """
     token = _CURRENT.set((mesh, tuple((name, target) for name, target in rules)))
     try:
         yield
