@@ -67,3 +67,45 @@ def test_for_device_targets_the_topology(chip):
     assert PallasTpuBackend.for_device(_device(chip)) == PallasTpuBackend(
         interpret=False, chip=chip
     )
+
+
+# Off-tile M, K and N put the K-tail masks, partial edge blocks and (with existing_out) the
+# blocked initial-buffer path through Mosaic; the model shapes above divide evenly.
+TAIL_M, TAIL_K, TAIL_N, TAIL_G = 1000, 320, 200, 8
+
+
+def _tail_calls(backend: PallasTpuBackend):
+    bf16, i32 = jnp.bfloat16, jnp.int32
+    kw = dict(preferred_element_type=bf16, group_offset=jnp.int32(0), tiling=(128, 128, 128))
+    m, k, n, g = TAIL_M, TAIL_K, TAIL_N, TAIL_G
+    return {
+        "fwd": (
+            lambda x, w, gs: backend.gmm(x, w, gs, transpose_rhs=False, **kw),
+            (((m, k), bf16), ((g, k, n), bf16), ((g,), i32)),
+        ),
+        "transpose_rhs": (
+            lambda x, w, gs: backend.gmm(x, w, gs, transpose_rhs=True, **kw),
+            (((m, k), bf16), ((g, n, k), bf16), ((g,), i32)),
+        ),
+        "existing_out": (
+            lambda x, w, gs, e: backend.gmm(x, w, gs, transpose_rhs=False, existing_out=e, **kw),
+            (((m, k), bf16), ((g, k, n), bf16), ((g,), i32), ((m, n), bf16)),
+        ),
+        "tgmm": (
+            lambda x, d, gs: backend.tgmm(x, d, gs, num_groups=g, **kw),
+            (((m, k), bf16), ((m, n), bf16), ((g,), i32)),
+        ),
+    }
+
+
+@pytest.mark.parametrize("call", ["fwd", "transpose_rhs", "existing_out", "tgmm"])
+@pytest.mark.parametrize("chip", ["v5e", "tpu7x"])
+def test_compiles_with_tails(chip, call):
+    device = _device(chip)
+    fn, shapes = _tail_calls(PallasTpuBackend(interpret=False, chip=chip))[call]
+    sharding = SingleDeviceSharding(device)
+    args = [jax.ShapeDtypeStruct(s, dt, sharding=sharding) for s, dt in shapes]
+    compiled = jax.jit(fn).lower(*args).compile()
+    assert "tpu_custom_call" in compiled.as_text()
+    want = (TAIL_G, TAIL_K, TAIL_N) if call == "tgmm" else (TAIL_M, TAIL_N)
+    assert compiled.out_info.shape == want
