@@ -1,0 +1,211 @@
+"""Grouped-matmul speed on this machine: each backend vs an equal-FLOP dense matmul.
+
+Legend: M rows (tokens * top-k), K = D model dim, N = F expert hidden dim, G experts.
+
+The call timed is the MoE gate projection out[M, F] = x[M, D] @ w[G, D, F] through the public
+moetext.kernels.gmm.gmm, forward alone and forward + backward (dlhs and drhs via jax.vjp), under
+jit, median of --reps after warm-up. The baseline is x[M, D] @ w[D, F] (the same FLOPs: every row
+meets one D x F matrix), forward and forward + backward, timed in the same process, so ratios
+are robust to how loaded the machine is; absolute ms are not.
+
+    python scripts/bench_gmm.py --quick                      # CPU, bf16 + f32, M=2048
+    python scripts/bench_gmm.py --backends blocked ragged_dot --out bench.json
+    python scripts/bench_gmm.py --tpu-aot [--chips v5p ...]  # TPU compiler estimates (AOT)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import moetext  # noqa: F401  (CPU platform defaults before jax starts)
+from moetext.kernels import gmm as gmm_lib
+
+D, F = 2048, 768  # Qwen3-30B-A3B: model dim, expert intermediate dim
+SKIP_BY_DEFAULT = ("reference", "pallas_tpu")  # float64 callback / interpret mode: not a speed
+
+
+def group_sizes(m: int, g: int, routing: str, seed: int = 0) -> np.ndarray:
+    """[G] int32 summing to M: equal shares, or Dirichlet(0.3) expert popularity."""
+    if routing == "balanced":
+        sizes = np.full(g, m // g)
+        sizes[: m - sizes.sum()] += 1
+    else:
+        rng = np.random.default_rng(seed)
+        sizes = rng.multinomial(m, rng.dirichlet(np.full(g, 0.3)))
+    return sizes.astype(np.int32)
+
+
+def time_call(fn, *args, reps: int, budget_s: float) -> tuple[float, int]:
+    """Median ms of fn(*args) after compile + one warm call; fewer reps if a call is slow."""
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - t0
+    n = max(1, min(reps, int(budget_s / max(first, 1e-9))))
+    times = [first] if n == 1 else []
+    for _ in range(n if n > 1 else 0):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times), len(times)
+
+
+def _fwd_bwd(f):
+    def run(a, b, dout):
+        out, vjp = jax.vjp(f, a, b)
+        return out, *vjp(dout)
+
+    return jax.jit(run)
+
+
+def bench_shape(m, g, routing, dtype, backends, reps, budget_s, rng) -> list[dict]:
+    x = jnp.asarray(rng.standard_normal((m, D)), dtype)
+    w_GDF = jnp.asarray(rng.standard_normal((g, D, F)) / np.sqrt(D), dtype)
+    dout = jnp.asarray(rng.standard_normal((m, F)), dtype)
+    gs = jnp.asarray(group_sizes(m, g, routing))
+    flops = 2.0 * m * D * F
+    dense = jnp.dot
+    dense_w = w_GDF[0]
+    base = {
+        "fwd": time_call(jax.jit(dense), x, dense_w, reps=reps, budget_s=budget_s)[0],
+        "fwd+bwd": time_call(_fwd_bwd(dense), x, dense_w, dout, reps=reps, budget_s=budget_s)[0],
+    }
+    rows = []
+    for name in backends:
+
+        def f(a, b, name=name):
+            return gmm_lib.gmm(a, b, gs, backend=name)
+
+        for mode, fn, args, mult in (
+            ("fwd", jax.jit(f), (x, w_GDF), 1),
+            ("fwd+bwd", _fwd_bwd(f), (x, w_GDF, dout), 3),
+        ):
+            ms, n = time_call(fn, *args, reps=reps, budget_s=budget_s)
+            rows.append(
+                dict(
+                    backend=name,
+                    mode=mode,
+                    m=m,
+                    k=D,
+                    n=F,
+                    g=g,
+                    routing=routing,
+                    dtype=jnp.dtype(dtype).name,
+                    ms=ms,
+                    reps=n,
+                    gflops=mult * flops / ms / 1e6,
+                    dense_ms=base[mode],
+                    ratio=ms / base[mode],
+                )
+            )
+            print(format_row(rows[-1]), flush=True)
+    return rows
+
+
+HEADER = (
+    f"{'backend':10} {'dtype':8} {'M':>5} {'G':>4} {'routing':9} {'mode':8} {'ms':>9} "
+    f"{'GFLOP/s':>8} {'dense ms':>9} {'x dense':>8}"
+)
+
+
+def format_row(r: dict) -> str:
+    return (
+        f"{r['backend']:10} {r['dtype']:8} {r['m']:>5} {r['g']:>4} {r['routing']:9} "
+        f"{r['mode']:8} {r['ms']:9.1f} {r['gflops']:8.1f} {r['dense_ms']:9.1f} {r['ratio']:8.2f}"
+    )
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--backends", nargs="+", help="default: all registered but reference, pallas_tpu"
+    )
+    p.add_argument("--ms", nargs="+", type=int, default=[2048, 4096], help="row counts M")
+    p.add_argument("--gs", nargs="+", type=int, default=[8, 32, 64, 128], help="expert counts G")
+    p.add_argument(
+        "--routings",
+        nargs="+",
+        default=["balanced", "dirichlet"],
+        choices=["balanced", "dirichlet"],
+    )
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    p.add_argument("--reps", type=int, default=5, help="timed calls per point (median)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=20.0,
+        help="cap on timed seconds per point: slow backends get fewer reps",
+    )
+    p.add_argument("--quick", action="store_true", help="M=2048 only, 3 reps")
+    p.add_argument("--out", type=Path, help="write the rows as JSON here")
+    p.add_argument(
+        "--tpu-aot",
+        action="store_true",
+        help="TPU ahead-of-time compiler estimates (scripts/bench_gmm_aot.py) instead",
+    )
+    return p.parse_known_args(argv)
+
+
+def run_tpu_aot_from(rest: list[str]) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    try:
+        import bench_gmm_aot
+        from bench_gmm_aot import run_tpu_aot
+    except ImportError as e:
+        print(
+            f"--tpu-aot needs scripts/bench_gmm_aot.py (run_tpu_aot), which failed to import: {e}",
+            file=sys.stderr,
+        )
+        return 2
+    aot = argparse.ArgumentParser(prog="bench_gmm.py --tpu-aot")
+    if hasattr(bench_gmm_aot, "add_args"):
+        bench_gmm_aot.add_args(aot)
+    run_tpu_aot(aot.parse_args(rest))
+    return 0
+
+
+def main(argv=None) -> int:
+    args, rest = parse_args(argv)
+    if args.tpu_aot:
+        return run_tpu_aot_from(rest)
+    if rest:
+        print(f"unknown arguments: {rest}", file=sys.stderr)
+        return 2
+    available = gmm_lib.available_backends()
+    backends = args.backends or [b for b in available if b not in SKIP_BY_DEFAULT]
+    unknown = sorted(set(backends) - set(available))
+    if unknown:
+        print(f"unknown backends {unknown}; registered: {available}", file=sys.stderr)
+        return 2
+    ms, reps = ([min(args.ms)], min(args.reps, 3)) if args.quick else (args.ms, args.reps)
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].device_kind}; D={D} F={F}; "
+        f"ratio = backend time / dense matmul time of equal FLOPs",
+        flush=True,
+    )
+    print(HEADER, flush=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    for dtype in args.dtypes:
+        for m in ms:
+            for g in args.gs:
+                for routing in args.routings:
+                    rows += bench_shape(
+                        m, g, routing, jnp.dtype(dtype), backends, reps, args.budget_s, rng
+                    )
+    if args.out:
+        args.out.write_text(json.dumps(dict(jax=jax.__version__, d=D, f=F, rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
