@@ -27,18 +27,21 @@ from moetext.kernels.gmm import get_backend
 from moetext.kernels.gmm.pallas_tpu import PallasTpuBackend
 
 TOPOLOGIES = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v5p": "v5p:2x2x1", "tpu7x": "tpu7x:2x2x1"}
-DEFAULTS = dict(chips=("v5p", "tpu7x"), m=8192 * 8, d=2048, f=768, e=128)  # Qwen3-30B-A3B
+DEFAULTS = dict(chips=("v5p", "tpu7x"), rows=8192 * 8, d_model=2048, d_ff=768, experts=128)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    """The options run_tpu_aot reads (bench_gmm.py may add them to its own parser)."""
+    """The options run_tpu_aot reads (bench_gmm.py adds them to its --tpu-aot parser).
+
+    Defaults: Qwen3-30B-A3B experts, 8192 tokens routed to top-8 on v5p and tpu7x.
+    """
     parser.add_argument(
         "--chips", nargs="+", default=list(DEFAULTS["chips"]), choices=sorted(TOPOLOGIES)
     )
-    parser.add_argument("--m", type=int, default=DEFAULTS["m"], help="rows: tokens * top-k")
-    parser.add_argument("--d", type=int, default=DEFAULTS["d"], help="model dim")
-    parser.add_argument("--f", type=int, default=DEFAULTS["f"], help="expert hidden dim")
-    parser.add_argument("--e", type=int, default=DEFAULTS["e"], help="experts")
+    parser.add_argument("--rows", type=int, default=DEFAULTS["rows"], help="M: tokens * top-k")
+    parser.add_argument("--d-model", type=int, default=DEFAULTS["d_model"], help="D")
+    parser.add_argument("--d-ff", type=int, default=DEFAULTS["d_ff"], help="F, per expert")
+    parser.add_argument("--experts", type=int, default=DEFAULTS["experts"], help="E")
 
 
 def _calls(backend, m: int, d: int, f: int, e: int):
@@ -97,7 +100,7 @@ def run_tpu_aot(args: argparse.Namespace | None = None) -> list[str]:
             if k in DEFAULTS and v is not None
         },
     }
-    m, d, f, e = opts["m"], opts["d"], opts["f"], opts["e"]
+    m, d, f, e = opts["rows"], opts["d_model"], opts["d_ff"], opts["experts"]
     lines = [
         f"TPU AOT compiler estimates (not measurements): M={m} D={d} F={f} E={e} bf16, "
         f"default tiling; jax {jax.__version__}",
