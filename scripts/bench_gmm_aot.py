@@ -10,6 +10,7 @@ so compare memory footprints directly and read the cost columns with that in min
 
     python scripts/bench_gmm_aot.py                       # v5p and tpu7x, Qwen3-30B-A3B
     python scripts/bench_gmm.py --tpu-aot                 # the same, via the main bench
+    python scripts/bench_gmm_aot.py --d-model 4096 --d-ff 1536 --chips v6e   # Qwen3-235B-A22B
 """
 
 from __future__ import annotations
