@@ -77,7 +77,7 @@ def test_forward_shapes_dtypes_and_aux(baseline):
 def test_bfloat16_compute_still_returns_float32_logits():
     model = _build(tiny(dtype="bfloat16", num_layers=2, mlp_only_layers=()))
     logits, aux = _forward(model, TOKENS)
-    assert logits.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(logits)))
+    assert logits.dtype == jnp.float32 and np.isfinite(np.asarray(logits)).all()
     assert model.embed[...].dtype == jnp.float32  # param_dtype stays the master copy
 
 
@@ -96,20 +96,23 @@ def test_causal_and_explicit_positions(baseline):
     # Explicit default positions reproduce the baseline (which passed none).
     np.testing.assert_allclose(_forward_at(model, TOKENS, pos)[0], logits, rtol=1e-6, atol=1e-6)
     t = 5
-    changed = TOKENS.at[:, t].set((TOKENS[:, t] + 1) % V)
-    logits2, _ = _forward_at(model, changed, pos)
+    changed = np.array(TOKENS)
+    changed[:, t] = (changed[:, t] + 1) % V
+    logits2, _ = _forward_at(model, jnp.asarray(changed), pos)
+    logits, logits2 = np.asarray(logits), np.asarray(logits2)
     # Earlier positions compute the same float32 ops (only the sorted row order of the MoE
     # dispatch differs), so they agree to float32 rounding; position t itself must change.
     np.testing.assert_allclose(logits2[:, :t], logits[:, :t], rtol=1e-6, atol=1e-6)
-    assert float(jnp.max(jnp.abs(logits2[:, t] - logits[:, t]))) > 1e-4
+    assert np.abs(logits2[:, t] - logits[:, t]).max() > 1e-4
 
 
 def test_gradients_finite_and_reach_every_param(baseline):
     _, loss, _, _, grads = baseline
     assert np.isfinite(float(loss))
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
-        assert bool(jnp.all(jnp.isfinite(g))), path
-        assert float(jnp.max(jnp.abs(g))) > 0, f"zero gradient at {path}"
+        g = np.asarray(g)  # NumPy checks: no per-shape eager compiles
+        assert np.isfinite(g).all(), path
+        assert np.abs(g).max() > 0, f"zero gradient at {path}"
 
 
 @pytest.mark.parametrize("scan,remat", [(False, "save_dots"), (True, "full")], ids=str)

@@ -95,7 +95,7 @@ def test_swiglu_matches_reference_on_any_leading_axes():
 
 
 def test_params_carry_logical_axes():
-    cfg = ModelConfig(emb_dim=16, num_heads=2, num_kv_heads=1, head_dim=8)
+    cfg = ModelConfig(emb_dim=32, num_heads=4, num_kv_heads=2, head_dim=8)  # shapes as above
     specs = nnx.get_partition_spec(nnx.state(Attention(cfg, rngs=nnx.Rngs(params=0))))
     assert tuple(specs["w_q"].get_value()) == ("embed", "heads", "head_dim")
     assert tuple(specs["w_k"].get_value()) == ("embed", "kv_heads", "head_dim")

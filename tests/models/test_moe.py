@@ -202,8 +202,8 @@ def test_block_gradients_are_finite():
 
     grads = nnx.jit(nnx.grad(loss))(block)
     leaves = jax.tree.leaves(grads)
-    assert all(bool(jnp.all(jnp.isfinite(g))) for g in leaves)
-    assert float(jnp.abs(grads["router"]["w"][...]).sum()) > 0  # router learns via weights+aux
+    assert all(np.isfinite(np.asarray(g)).all() for g in leaves)
+    assert np.abs(np.asarray(grads["router"]["w"][...])).sum() > 0  # learns via weights + aux
 
 
 def test_bad_moe_config_and_backend_errors():

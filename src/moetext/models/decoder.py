@@ -156,7 +156,9 @@ class Decoder(nnx.Module):
             self.stacks = nnx.List(stacks)
         else:
             keys = [jax.random.fold_in(base_key, i) for i in range(cfg.num_layers)]
-            self.layers = nnx.List([make_layer(bool(m), k) for m, k in zip(moe_pattern, keys)])
+            self.layers = nnx.List(
+                [make_layer(bool(m), k) for m, k in zip(moe_pattern, keys, strict=True)]
+            )
         self.final_norm = RMSNorm(cfg.emb_dim, eps=cfg.rms_norm_eps, param_dtype=pdt, rngs=rngs)
         if not cfg.tie_embeddings:
             self.lm_head = make_param(
