@@ -11,9 +11,12 @@ so tk (gmm) and tm (tgmm) may be any multiple of bs: an unrolled subchannel loop
 slices of the tile. In tgmm a scale block of bs rows may hold rows of two groups; each group's
 visit masks the other's rows before its slice's dot, so the shared block scale stays exact.
 
-Scales reach the kernel as [nb, M, 1] / [L, nb, 1, N] (gmm) and [nb, K, 1] / [nb, 1, N] (tgmm):
-a trailing unit dim makes every block legal under the TPU (8, 128) rule whatever nb is, and
-yields a column (lhs) or row (rhs) vector that broadcasts against the f32 accumulator.
+Scales reach the kernel lane-dense, as whole blocks along the scale-block axis: gmm [M, nb] in
+(tm, nb) blocks and [L, nb, N] in (nb, tn); tgmm [K, Mb] in (tk, Mb) and [Mb, N] in (Mb, tn).
+A full dim is always a legal block, and no unit dim gets padded to a (8, 128) tile in HBM (a
+[nb, M, 1] layout would take 128x its size). The kernel picks block j's column (tm, 1) / row
+(1, tn) by a masked sum over that axis: exact, cheap next to the bs-deep matmul, and free of
+dynamic lane slicing.
 Group schedule and the zero-initialised aliased output follow the bf16 pallas_tpu backend.
 """
 
@@ -141,22 +144,22 @@ def gmm_fp8(
         tm=tm,
         visit_empty=False,
     )
-    ls = lhs_scale.astype(jnp.float32).T[:, :, None]  # [nb, M, 1]
+    ls = lhs_scale.astype(jnp.float32)  # [M, nb]
     rs = rhs_scale.astype(jnp.float32)
-    rs = (jnp.swapaxes(rs, 1, 2) if transpose_rhs else rs)[:, :, None, :]  # [L, nb, 1, N]
+    rs = jnp.swapaxes(rs, 1, 2) if transpose_rhs else rs  # [L, nb, N]
     sb = tk // bs
 
     def lhs_map(j, t, i, starts, ends, gids, tids, num):
         return tids[t], i
 
     def ls_map(j, t, i, starts, ends, gids, tids, num):
-        return i, tids[t], 0
+        return tids[t], 0
 
     def rhs_map(j, t, i, starts, ends, gids, tids, num):
         return (gids[t], j, i) if transpose_rhs else (gids[t], i, j)
 
     def rs_map(j, t, i, starts, ends, gids, tids, num):
-        return gids[t], i, 0, j
+        return gids[t], 0, j
 
     def out_map(j, t, i, starts, ends, gids, tids, num):
         return tids[t], j
@@ -172,8 +175,8 @@ def gmm_fp8(
         [
             (tm, tk, lhs_q.dtype),
             (tk, tn, rhs_q.dtype),
-            (sb * tm, 128, jnp.float32),
-            (sb * 8, tn, jnp.float32),
+            (tm, max(nb, 128), jnp.float32),
+            (max(nb, 8), tn, jnp.float32),
         ],
         (tm, tn, out_dtype),
         (tm, tn),
@@ -195,9 +198,9 @@ def gmm_fp8(
             grid=(cdiv(n, tn), t_max, k // tk),
             in_specs=[
                 pl.BlockSpec((tm, tk), lhs_map),
-                pl.BlockSpec((sb, tm, 1), ls_map),
+                pl.BlockSpec((tm, nb), ls_map),
                 pl.BlockSpec(rhs_block, rhs_map),
-                pl.BlockSpec((pl.squeezed, sb, 1, tn), rs_map),
+                pl.BlockSpec((pl.squeezed, nb, tn), rs_map),
                 init_spec,
             ],
             out_specs=pl.BlockSpec((tm, tn), out_map),
@@ -250,6 +253,7 @@ def _gmm_kernel(
             acc_ref[...] = jnp.zeros_like(acc_ref)
 
         acc = acc_ref[...]
+        ls, rs = ls_ref[...], rs_ref[...]  # [tm, nb], [nb, tn]
         for s in range(sb):  # subchannel loop: one scale block of the contraction at a time
             cols = slice(s * bs, (s + 1) * bs)
             lhs = lhs_ref[:, cols]
@@ -262,7 +266,8 @@ def _gmm_kernel(
                 (((1,), (1,) if transpose_rhs else (0,)), ((), ())),
                 preferred_element_type=jnp.float32,
             )
-            acc += part * ls_ref[s] * rs_ref[s]
+            kb = ki * sb + s
+            acc += part * _pick(ls, kb, axis=1) * _pick(rs, kb, axis=0)
         acc_ref[...] = acc
 
         @pl.when(ki == last_k)
@@ -327,21 +332,22 @@ def tgmm_fp8(
     sb = tm // bs
     # Pad the scale blocks to whole row tiles with ones: the edge tile's blocks past M then hold
     # finite scales (its rows are masked to zero, and 0 * garbage could be NaN).
-    pad = ((0, cdiv(m, tm) * sb - mb), (0, 0))
-    ls = jnp.pad(lhs_scale.astype(jnp.float32), pad, constant_values=1)[:, :, None]
-    rs = jnp.pad(rhs_scale.astype(jnp.float32), pad, constant_values=1)[:, None, :]
+    mb_pad = cdiv(m, tm) * sb
+    pad = ((0, mb_pad - mb), (0, 0))
+    ls = jnp.pad(lhs_scale.astype(jnp.float32), pad, constant_values=1).T  # [K, Mb]
+    rs = jnp.pad(rhs_scale.astype(jnp.float32), pad, constant_values=1)  # [Mb, N]
 
     def lhs_map(i, j, t, starts, ends, gids, tids, num):
         return tids[t], i
 
     def ls_map(i, j, t, starts, ends, gids, tids, num):
-        return tids[t], i, 0
+        return i, 0
 
     def rhs_map(i, j, t, starts, ends, gids, tids, num):
         return tids[t], j
 
     def rs_map(i, j, t, starts, ends, gids, tids, num):
-        return tids[t], 0, j
+        return 0, j
 
     def out_map(i, j, t, starts, ends, gids, tids, num):
         return gids[t], i, j
@@ -350,8 +356,8 @@ def tgmm_fp8(
         [
             (tm, tk, lhs_q.dtype),
             (tm, tn, rhs_q.dtype),
-            (sb * tk, 128, jnp.float32),
-            (sb * 8, tn, jnp.float32),
+            (tk, max(mb_pad, 128), jnp.float32),
+            (max(mb_pad, 8), tn, jnp.float32),
         ],
         (tk, tn, out_dtype),
         (tk, tn),
@@ -365,9 +371,9 @@ def tgmm_fp8(
             grid=(cdiv(k, tk), cdiv(n, tn), t_max),
             in_specs=[
                 pl.BlockSpec((tm, tk), lhs_map),
-                pl.BlockSpec((sb, tk, 1), ls_map),
+                pl.BlockSpec((tk, mb_pad), ls_map),
                 pl.BlockSpec((tm, tn), rhs_map),
-                pl.BlockSpec((sb, 1, tn), rs_map),
+                pl.BlockSpec((mb_pad, tn), rs_map),
             ],
             out_specs=pl.BlockSpec((pl.squeezed, tk, tn), out_map),
             scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
@@ -418,6 +424,7 @@ def _tgmm_kernel(
             acc_ref[...] = jnp.zeros_like(acc_ref)
 
         acc = acc_ref[...]
+        ls, rs = ls_ref[...], rs_ref[...]  # [tk, Mb], [Mb, tn]: every row block's scales
         for s in range(sb):  # subchannel loop along M: each bs-row block has its own scales
             rows = slice(s * bs, (s + 1) * bs)
             lhs, rhs = lhs_ref[rows, :], rhs_ref[rows, :]
@@ -430,7 +437,8 @@ def _tgmm_kernel(
             part = jax.lax.dot_general(
                 lhs, rhs, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
             )
-            acc += part * ls_ref[s] * rs_ref[s]
+            mblk = tile * sb + s
+            acc += part * _pick(ls, mblk, axis=1) * _pick(rs, mblk, axis=0)
         acc_ref[...] = acc
 
         @pl.when(last)
@@ -441,3 +449,9 @@ def _tgmm_kernel(
 def _own_rows(x, row0, start, end):
     rows = row0 + jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
     return jnp.where((rows >= start) & (rows < end), x, jnp.zeros((), x.dtype))
+
+
+def _pick(scales, idx, *, axis: int):
+    """Entry idx of `axis` as a broadcastable column (axis=1) or row (axis=0), by masked sum."""
+    pos = jax.lax.broadcasted_iota(jnp.int32, scales.shape, axis)
+    return jnp.sum(jnp.where(pos == idx, scales, 0.0), axis=axis, keepdims=True)

@@ -58,13 +58,25 @@ def _scale_from_amax(amax, dtype):
     return jnp.where(amax == 0, jnp.float32(1), scale).astype(jnp.float32)
 
 
-def _to_fp8(x_f32, scale, dtype):
+def _to_fp8(x, scale, dtype):
     fmax = max_finite(dtype)
     # x * (1 / scale), not x / scale: XLA turns a broadcast division into exactly this inside
     # fusions (but not op by op), so spelling it out gives the same FP8 value everywhere and
     # lets the oracle match bit for bit. Clipping matters: the product can round a hair above
     # fmax, and a value past fmax converts to NaN in e4m3fn (it has no inf).
-    return jnp.clip(x_f32 * (1 / scale), -fmax, fmax).astype(dtype)
+    return jnp.clip(x.astype(jnp.float32) * (1 / scale), -fmax, fmax).astype(dtype)
+
+
+def _pad_to(x, sizes: dict[int, int]):
+    """Zero-pads axes up to sizes (a no-op, so no copy, when they already fit)."""
+    pad = [(0, sizes.get(a, d) - d) for a, d in enumerate(x.shape)]
+    return jnp.pad(x, pad) if any(hi for _, hi in pad) else x
+
+
+def _amax(x, axis):
+    # |x| and max are exact in x's own dtype; upcasting after the reduction keeps XLA from
+    # materialising a float32 copy of x (2x a bf16 activation) shared by amax and the cast.
+    return jnp.max(jnp.abs(x), axis=axis).astype(jnp.float32)
 
 
 def _check_finite(x, op: str) -> None:
@@ -85,11 +97,9 @@ def quantize(x, *, axis: int = -1, block_size: int = 128, dtype=E4M3, checked: b
         _check_finite(x, "quantize")
     n, bs = x.shape[axis], int(block_size)
     nb = cdiv(n, bs)
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, nb * bs - n)
-    xp = jnp.pad(x.astype(jnp.float32), pad)
+    xp = _pad_to(x, {axis: nb * bs})
     xb = xp.reshape(x.shape[:axis] + (nb, bs) + x.shape[axis + 1 :])
-    scale = _scale_from_amax(jnp.max(jnp.abs(xb), axis=axis + 1), dtype)
+    scale = _scale_from_amax(_amax(xb, axis + 1), dtype)
     q = _to_fp8(xb, jnp.expand_dims(scale, axis + 1), dtype).reshape(xp.shape)
     return jax.lax.slice_in_dim(q, 0, n, axis=axis), scale
 
@@ -127,10 +137,9 @@ def quantize_tiles(x, *, block_size: int = 128, dtype=E4M3, checked: bool = Fals
         _check_finite(x, "quantize_tiles")
     (r, c), bs = x.shape[-2:], int(block_size)
     rb, cb = cdiv(r, bs), cdiv(c, bs)
-    pad = [(0, 0)] * (x.ndim - 2) + [(0, rb * bs - r), (0, cb * bs - c)]
-    xp = jnp.pad(x.astype(jnp.float32), pad)
+    xp = _pad_to(x, {x.ndim - 2: rb * bs, x.ndim - 1: cb * bs})
     xt = xp.reshape(x.shape[:-2] + (rb, bs, cb, bs))
-    scale = _scale_from_amax(jnp.max(jnp.abs(xt), axis=(-3, -1)), dtype)
+    scale = _scale_from_amax(_amax(xt, (-3, -1)), dtype)
     q = _to_fp8(xt, scale[..., :, None, :, None], dtype).reshape(xp.shape)
     return q[..., :r, :c], scale
 

@@ -291,9 +291,7 @@ def _qgmm_bwd(static, res, dout):
             d.rowwise, rq, group_sizes, transpose_rhs=not transpose_rhs, pet=lhs_dtype, **common
         )
         a, b = (d.colwise, lhs_res) if transpose_rhs else (lhs_res, d.colwise)
-        drhs = qb._tmm(
-            a, b, group_sizes, num_groups=num_local, pet=jnp.dtype(jnp.float32), **common
-        )
+        drhs = qb._tmm(a, b, group_sizes, num_groups=num_local, pet=rhs_dtype, **common)
     else:
         be = qb.backend
         lhs = lhs_res.dequantize(lhs_dtype)
@@ -309,7 +307,7 @@ def _qgmm_bwd(static, res, dout):
         )
         a, b = (dout, lhs) if transpose_rhs else (lhs, dout)
         drhs = be.tgmm(
-            a, b, group_sizes, num_groups=num_local, preferred_element_type=jnp.float32, **common
+            a, b, group_sizes, num_groups=num_local, preferred_element_type=rhs_dtype, **common
         )
     return dlhs.astype(lhs_dtype), drhs.astype(rhs_dtype), None, None
 
