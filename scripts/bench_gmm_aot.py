@@ -16,6 +16,7 @@ so compare memory footprints directly and read the cost columns with that in min
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import jax
@@ -27,6 +28,7 @@ import moetext  # noqa: F401  (CPU platform defaults; jax reads them at first us
 from moetext.kernels.gmm import get_backend
 from moetext.kernels.gmm.pallas_tpu import PallasTpuBackend
 
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # AOT only describes a topology
 TOPOLOGIES = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v5p": "v5p:2x2x1", "tpu7x": "tpu7x:2x2x1"}
 DEFAULTS = dict(chips=("v5p", "tpu7x"), rows=8192 * 8, d_model=2048, d_ff=768, experts=128)
 

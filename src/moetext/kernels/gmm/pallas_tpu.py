@@ -156,26 +156,15 @@ def _gmm_call(
 
     rhs_block = (pl.squeezed, tn, tk) if transpose_rhs else (pl.squeezed, tk, tn)
     has_init = existing_MN is not None
-    # The output aliases init, so row tiles no visit touches keep init (zeros when no
-    # existing_out). Without existing_out the kernel never reads init, so on TPU it stays in
-    # HBM (no DMA). The interpreters give an aliased output the input's buffer as padded for
-    # the input's block, so there init gets the output's block, and the TPU interpreter,
-    # which then returns that padded buffer, gets whole blocks (sliced off afterwards).
-    init_MN = jnp.zeros((m, n), out_dtype) if not has_init else existing_MN.astype(out_dtype)
-    init_spec = pl.BlockSpec(memory_space=pl.ANY)
-    if has_init or interpret is not False:
-        init_spec = pl.BlockSpec((tm, tn), out_map)
-    out_mn = (m, n)
-    if isinstance(interpret, pltpu.InterpretParams):
-        out_mn = (cdiv(m, tm) * tm, cdiv(n, tn) * tn)
-        init_MN = jnp.pad(init_MN, ((0, out_mn[0] - m), (0, out_mn[1] - n)))
-
-    in_bytes = lhs_MK.dtype.itemsize
+    init_MN, init_spec, out_mn = _initial_out(
+        existing_MN, m, n, tiles, out_dtype, interpret, out_map
+    )
     cost = pl.CostEstimate(
         flops=2 * m * k * n,
         transcendentals=0,
         # Each visit streams its lhs tile per N tile and its group's K x N weights.
-        bytes_accessed=t_max * (tm * k * in_bytes * cdiv(n, tn) + k * n * rhs.dtype.itemsize)
+        bytes_accessed=t_max * (tm * k * lhs_MK.dtype.itemsize * cdiv(n, tn))
+        + t_max * k * n * rhs.dtype.itemsize
         + m * n * out_dtype.itemsize * (2 if has_init else 1),
     )
     needed = tiling_lib.vmem_bytes(
@@ -205,6 +194,30 @@ def _gmm_call(
         cost_estimate=cost,
         name="moetext_gmm",
     )(*meta, lhs_MK, rhs, init_MN)[:m, :n]
+
+
+def _initial_out(existing_MN, m, n, tiles, out_dtype, interpret, out_map):
+    """The buffer the gmm output aliases: (init [M', N'], its BlockSpec, output shape M', N').
+
+    Row tiles no visit touches keep init: zeros, or existing_out. Without existing_out the
+    kernel never reads init, so on TPU it stays in HBM (no DMA). The interpreters give an
+    aliased output the input's buffer as padded for the input's block, so there init gets the
+    output's block, and the TPU interpreter, which then returns that padded buffer, gets whole
+    blocks (the caller slices them off).
+    """
+    tm, _, tn = tiles
+    if existing_MN is None:
+        init_MN = jnp.zeros((m, n), out_dtype)
+    else:
+        init_MN = existing_MN.astype(out_dtype)
+    init_spec = pl.BlockSpec(memory_space=pl.ANY)
+    if existing_MN is not None or interpret is not False:
+        init_spec = pl.BlockSpec((tm, tn), out_map)
+    out_mn = (m, n)
+    if isinstance(interpret, pltpu.InterpretParams):
+        out_mn = (cdiv(m, tm) * tm, cdiv(n, tn) * tn)
+        init_MN = jnp.pad(init_MN, ((0, out_mn[0] - m), (0, out_mn[1] - n)))
+    return init_MN, init_spec, out_mn
 
 
 def _gmm_kernel(
