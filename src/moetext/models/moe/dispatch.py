@@ -76,7 +76,9 @@ def to_buffers(x_TD: jax.Array, ids_TK: jax.Array, pos_TK: jax.Array, num_expert
     t, k = ids_TK.shape
     x_MD = jnp.repeat(x_TD, k, axis=0)
     buf_ECD = jnp.zeros((num_experts, cap, x_TD.shape[1]), x_TD.dtype)
-    return buf_ECD.at[ids_TK.reshape(-1), pos_TK.reshape(-1)].set(x_MD, mode="drop")
+    # Kept (expert, slot) pairs are unique, so add == set here; add's transpose is a plain
+    # gather, where set's would need the uniqueness bookkeeping of a general scatter.
+    return buf_ECD.at[ids_TK.reshape(-1), pos_TK.reshape(-1)].add(x_MD, mode="drop")
 
 
 def from_buffers(y_ECD: jax.Array, ids_TK: jax.Array, pos_TK: jax.Array) -> jax.Array:
