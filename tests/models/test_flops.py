@@ -1,11 +1,15 @@
 """Analytic parameter counts and FLOPs: a hand count of the tiny config and the built model."""
 
+from pathlib import Path
+
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 from tiny_configs import KERNELS, TINY_MOE, tiny
 
 from moetext import models
+from moetext.config import load
 from moetext.models.flops import count_params, flops_per_token
 
 
@@ -51,3 +55,17 @@ def test_flops_per_token_hand_count():
 def test_dense_family_counts_no_experts():
     counts = count_params(tiny(family="dense"), TINY_MOE)
     assert counts["total"] == counts["active"]
+
+
+MODEL_YAMLS = sorted((Path(__file__).resolve().parents[2] / "configs" / "models").glob("*.yml"))
+
+
+@pytest.mark.parametrize("path", MODEL_YAMLS, ids=lambda p: p.stem)
+def test_shipped_model_configs_build_abstractly_with_counted_params(path):
+    # eval_shape traces the build without allocating, so even the 235B config is cheap.
+    cfg = load(path)
+    model = nnx.eval_shape(
+        lambda: models.build(cfg.model, cfg.moe, cfg.kernels, rngs=nnx.Rngs(params=0))
+    )
+    built = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert built == count_params(cfg.model, cfg.moe)["total"]
