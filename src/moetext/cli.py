@@ -32,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from moetext import train
+    from moetext.sharding.mesh import initialize_distributed
+
+    # Before anything touches devices: afterwards every process sees the global device set.
+    initialize_distributed(cfg.distributed)
 
     if jax.process_index() == 0:
         print(f"moetext: {cfg.model.family} on {jax.device_count()} {jax.default_backend()} "

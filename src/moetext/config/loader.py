@@ -95,6 +95,22 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")
     if moe.capacity_factor <= 0:
         raise ConfigError(f"moe.capacity_factor must be positive, got {moe.capacity_factor}")
+    _validate_sharding(cfg)
+
+
+def _validate_sharding(cfg: Config) -> None:
+    from moetext.sharding import rules  # lazy: the sharding package imports jax
+
+    rules.resolve(cfg.sharding)  # preset exists, axes known, sizes valid, at most one -1
+    dist = cfg.distributed
+    if dist.num_processes is not None and dist.num_processes < 1:
+        raise ConfigError(f"distributed.num_processes must be >= 1, got {dist.num_processes}")
+    if dist.num_processes is not None and dist.process_id is not None:
+        if not 0 <= dist.process_id < dist.num_processes:
+            raise ConfigError(
+                f"distributed.process_id={dist.process_id} is outside "
+                f"[0, distributed.num_processes={dist.num_processes})"
+            )
 
 
 def validate_for_devices(cfg: Config, num_devices: int) -> None:
@@ -104,6 +120,9 @@ def validate_for_devices(cfg: Config, num_devices: int) -> None:
             f"data.global_batch_size={cfg.data.global_batch_size} is not divisible by the "
             f"{num_devices} devices of this run; use a multiple of {num_devices}"
         )
+    from moetext.sharding import mesh, rules
+
+    mesh.axis_sizes(rules.resolve(cfg.sharding), num_devices)  # mesh product == device count
 
 
 # --- YAML tree -------------------------------------------------------------------------------

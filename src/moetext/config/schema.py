@@ -160,9 +160,25 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class ShardingConfig:
     preset: str = "fsdp"
-    """Name of a preset under configs/sharding/ (logical-axis rules and mesh axes)."""
+    """Preset under configs/sharding/ (fsdp, fsdp_tp, fsdp_ep) or a path to a preset YAML file."""
     mesh: dict[str, int] = field(default_factory=dict)
-    """Mesh axis sizes overriding the preset's; -1 fills with the remaining devices."""
+    """Per-slice (ICI) axis sizes overriding the preset's; -1 fills with the remaining devices."""
+    dcn_mesh: dict[str, int] = field(default_factory=dict)
+    """Across-slice (DCN) axis sizes overriding the preset's; their product is the slice count."""
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    initialize: Literal["auto", "always", "never"] = "auto"
+    """jax.distributed.initialize: auto (num_processes > 1 or launcher env vars), always, never."""
+    coordinator_address: str | None = None
+    """host:port of process 0; None: JAX_COORDINATOR_ADDRESS or auto-detect (TPU VM, SLURM)."""
+    num_processes: int | None = None
+    """Number of processes (hosts) in the job; None reads JAX_NUM_PROCESSES or auto-detects."""
+    process_id: int | None = None
+    """This process's index in [0, num_processes); None reads JAX_PROCESS_ID or auto-detects."""
+    initialization_timeout_s: int = 300
+    """Seconds to wait for every process to reach the coordinator."""
 
 
 @dataclass(frozen=True)
@@ -183,6 +199,8 @@ class Config:
     """Checkpointing and resume."""
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     """Device mesh and logical-axis rules."""
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """Multi-process (multi-host) start-up."""
 
     def replace(self, **sections) -> Config:
         return dataclasses.replace(self, **sections)

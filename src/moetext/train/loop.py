@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from moetext import config as config_lib
 from moetext import data as data_lib
@@ -20,6 +19,7 @@ from moetext import models, optim
 from moetext.checkpoint import Checkpointer, abstract_like
 from moetext.config import Config
 from moetext.models.flops import flops_per_token
+from moetext.sharding import plan as sharding_plan
 from moetext.train import metrics as metrics_lib
 from moetext.train.state import TrainState
 from moetext.train.step import make_eval_step, make_train_step
@@ -37,13 +37,21 @@ class Built:
     tx: Any
     lr_schedule: Any
     batch_sharding: NamedSharding
+    plan: sharding_plan.Plan
+    state_shardings: Any  # TrainState of NamedShardings (out_shardings of every step)
 
 
-def build(cfg: Config) -> Built:
-    config_lib.validate_for_devices(cfg, jax.device_count())
-    mesh = jax.make_mesh(
-        (jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,)
-    )
+def build(
+    cfg: Config, devices: list[jax.Device] | None = None, *, abstract: bool = False
+) -> Built:
+    """Mesh and rules from cfg.sharding; the train state created already sharded by them.
+
+    abstract=True creates nothing: state and rest are ShapeDtypeStructs carrying their shardings
+    (ahead-of-time compilation for devices this process cannot use).
+    """
+    num_devices = len(devices) if devices is not None else jax.device_count()
+    config_lib.validate_for_devices(cfg, num_devices)
+    plan = sharding_plan.make_plan(cfg.sharding, devices)
     tx = optim.build(cfg.optim, cfg.train.steps)
     lr_schedule = optim.schedule(cfg.optim, cfg.train.steps)
 
@@ -54,12 +62,34 @@ def build(cfg: Config) -> Built:
         return state, rest
 
     graphdef = nnx.split(nnx.eval_shape(lambda: create_model(cfg)), nnx.Param, ...)[0]
-    replicated = NamedSharding(mesh, P())
-    abstract = jax.eval_shape(create)
-    shardings = jax.tree.map(lambda _: replicated, abstract)
-    # Params are created by a jitted init with out_shardings: never whole on one host first.
-    state, rest = jax.jit(create, out_shardings=shardings)()
-    return Built(cfg, mesh, graphdef, rest, state, tx, lr_schedule, NamedSharding(mesh, P("data")))
+    # Shardings come from the params' logical names (checked against the rules here, before
+    # anything compiles); the jitted init then creates every shard on its own device.
+    abstract_tree = jax.eval_shape(create)
+    shardings = (plan.shardings_for(abstract_tree[0]), plan.shardings_for(abstract_tree[1]))
+    if abstract:
+        state, rest = jax.tree.map(
+            lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+            abstract_tree, shardings,
+        )
+    else:
+        state, rest = jax.jit(create, out_shardings=shardings)()
+    return Built(cfg, plan.mesh, graphdef, rest, state, tx, lr_schedule, plan.batch_sharding,
+                 plan, shardings[0])
+
+
+def jit_train_step(b: Built):
+    """The train step with the plan's shardings pinned on both sides (state donated)."""
+    step = make_train_step(b.graphdef, b.rest, b.tx, b.lr_schedule)
+    return jax.jit(step, in_shardings=(b.state_shardings, b.batch_sharding),
+                   out_shardings=(b.state_shardings, b.plan.replicated), donate_argnums=0)
+
+
+def lower_checked(b: Built, jitted, *args):
+    """Traces `jitted` under the logical rules, then checks every activation name had a rule."""
+    with b.plan.rules(), sharding_plan.record_logical_names() as names:
+        lowered = jitted.lower(*args)
+    b.plan.check_names(names, "an activation constraint")
+    return lowered
 
 
 def create_model(cfg: Config) -> nnx.Module:
@@ -78,8 +108,9 @@ def run(cfg: Config) -> dict[str, Any]:
     state = _maybe_resume(b, ckpt)
     start = int(state.step)
 
-    train_step = jax.jit(make_train_step(b.graphdef, b.rest, b.tx, b.lr_schedule), donate_argnums=0)
-    eval_step = jax.jit(make_eval_step(b.graphdef, b.rest))
+    train_step = jit_train_step(b)
+    eval_step = jax.jit(make_eval_step(b.graphdef, b.rest),
+                        in_shardings=(b.state_shardings.params, b.batch_sharding))
     put = lambda tokens: _put_batch(tokens, b.batch_sharding)
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
     fpt = flops_per_token(cfg.model, cfg.moe, cfg.data.seq_len)
@@ -91,7 +122,7 @@ def run(cfg: Config) -> dict[str, Any]:
         if start < cfg.train.steps:
             # Compile before the clock starts so step times measure steps, not compilation.
             t0 = time.perf_counter()
-            train_step = train_step.lower(state, put(data.batch(start))).compile()
+            train_step = lower_checked(b, train_step, state, put(data.batch(start))).compile()
             compile_s = time.perf_counter() - t0
             log.write({"step": start, "event": "compiled", "compile_s": compile_s})
         t_last, steps_since = time.perf_counter(), 0
@@ -108,7 +139,9 @@ def run(cfg: Config) -> dict[str, Any]:
                         "step_time_s": dt, "tokens_per_s": tps,
                         "mfu": metrics_lib.mfu(fpt, tps, peak, jax.device_count())}
                 if cfg.train.eval_every and done % cfg.train.eval_every == 0:
-                    last.update(_evaluate(eval_step, state.params, data, put, cfg.data.eval_batches))
+                    with b.plan.rules():  # eval traces on its first call
+                        last.update(_evaluate(eval_step, state.params, data, put,
+                                              cfg.data.eval_batches))
                 log.write(last)
                 t_last, steps_since = time.perf_counter(), 0
             if ckpt and (done % cfg.checkpoint.every == 0 or done == cfg.train.steps):

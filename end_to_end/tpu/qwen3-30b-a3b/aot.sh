@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Ahead-of-time compile of the Qwen3-30B-A3B train step for a v5p-64 slice (4x4x2 = 32 chips),
+# 1 x 4096 tokens per chip, pure FSDP over all 32 chips. No TPU needed (libtpu topology).
+# Prints memory per chip, FLOPs and collectives; exits 1 if the step does not fit in HBM.
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+exec .venv/bin/python scripts/aot_compile.py configs/models/qwen3-30b-a3b.yml \
+  topology=v5p:4x4x2 \
+  sharding.preset=fsdp \
+  data.global_batch_size=32 data.seq_len=4096 \
+  kernels.gmm_backend="${GMM_BACKEND:-ragged_dot}" \
+  "$@"

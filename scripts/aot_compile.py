@@ -1,0 +1,232 @@
+"""Ahead-of-time compile of the real train step for a TPU topology; per-chip memory and traffic.
+
+    .venv/bin/python scripts/aot_compile.py configs/models/qwen3-30b-a3b.yml topology=v5p:4x4x2 \\
+        sharding.preset=fsdp data.global_batch_size=32 kernels.gmm_backend=ragged_dot
+
+No TPU is needed: libtpu describes the topology's devices, the mesh and shardings come from
+the run's sharding preset, and the step is traced under its logical rules exactly as in
+training. Prints per-chip memory (arguments, temporaries, outputs vs the chip's HBM), FLOPs per
+chip and the collectives of the compiled HLO; exits 1 when the step does not fit in HBM.
+Extra options: json=PATH writes the numbers, hlo=PATH writes the optimised HLO text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+# Only describes a topology, never opens a TPU: don't contend for libtpu's one-process lock.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import moetext  # noqa: E402,F401  (platform defaults before jax is imported)
+
+GiB = 1024**3
+# HBM per chip, GiB, by the topology name's generation prefix.
+HBM_GIB = {"v4": 32, "v5e": 16, "v5litepod": 16, "v5p": 95, "v6e": 32, "tpu7x": 192}
+DTYPE_BYTES = {
+    "pred": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_OP_RE = re.compile(
+    r"=\s*(?P<shape>\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+    r"(?P<op>" + "|".join(COLLECTIVES) + r")(?:-start)?\("
+)
+_ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_COMP_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
+_WHILE_RE = re.compile(r"\swhile\(.*body=%?([\w.\-]+)")
+_TRIP_RE = re.compile(r'known_trip_count"?\s*[:=]\s*\{\s*"?n"?\s*[:=]\s*"?(\d+)')
+
+
+def parse_args(argv: list[str]) -> tuple[str, str, dict[str, str], list[str]]:
+    if not argv or argv[0].startswith("-") or "=" in argv[0]:
+        raise SystemExit(__doc__)
+    options, overrides = {}, []
+    for item in argv[1:]:
+        key = item.split("=", 1)[0]
+        if key in ("topology", "json", "hlo"):
+            options[key] = item.split("=", 1)[1]
+        else:
+            overrides.append(item)
+    if "topology" not in options:
+        raise SystemExit("missing topology=NAME, e.g. topology=v5p:4x4x2")
+    return argv[0], options["topology"], options, overrides
+
+
+def hbm_bytes(topology: str) -> int:
+    gen = topology.split(":")[0].split("-")[0]
+    if gen not in HBM_GIB:
+        raise SystemExit(
+            f"unknown TPU generation {gen!r} in {topology!r}; known: {sorted(HBM_GIB)}"
+        )
+    return HBM_GIB[gen] * GiB
+
+
+def array_bytes(shape_text: str) -> tuple[float, list[str]]:
+    """Bytes of an HLO result shape such as bf16[128,2048]{1,0} or a tuple of them."""
+    total, dtypes = 0.0, []
+    for dtype, dims in _ARRAY_RE.findall(shape_text):
+        n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+        total += n * DTYPE_BYTES.get(dtype, 4)
+        dtypes.append(dtype)
+    return total, dtypes
+
+
+def collectives(hlo_text: str) -> dict[tuple[str, str], dict[str, float]]:
+    """(op, element types) -> count and bytes per step; ops inside a while body (the layer
+    scan) count once per known trip."""
+    comp_of_line, body_trips, parents = [], {}, {}
+    current = None
+    for line in hlo_text.splitlines():
+        m = _COMP_RE.match(line.strip())
+        if m:
+            current = m.group(1)
+        comp_of_line.append(current)
+        w = _WHILE_RE.search(line)
+        if w:
+            t = _TRIP_RE.search(line)
+            body_trips[w.group(1)] = int(t.group(1)) if t else 1
+            parents[w.group(1)] = current
+
+    def multiplier(comp):
+        n, seen = 1, set()
+        while comp in body_trips and comp not in seen:
+            seen.add(comp)
+            n *= body_trips[comp]
+            comp = parents.get(comp)
+        return n
+
+    out: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: {"count": 0, "bytes": 0.0})
+    for line, comp in zip(hlo_text.splitlines(), comp_of_line, strict=True):
+        m = _OP_RE.search(line)
+        if not m or "-done(" in line:
+            continue
+        nbytes, dtypes = array_bytes(m.group("shape"))
+        key = (m.group("op"), ",".join(sorted(set(dtypes))))
+        k = multiplier(comp)
+        out[key]["count"] += k
+        out[key]["bytes"] += k * nbytes
+    return dict(out)
+
+
+def compile_step(cfg, devices):
+    from moetext.train import loop
+
+    b = loop.build(cfg, devices, abstract=True)
+    tokens = jax.ShapeDtypeStruct(
+        (cfg.data.global_batch_size, cfg.data.seq_len + 1), jnp.int32, sharding=b.batch_sharding
+    )
+    t0 = time.perf_counter()
+    lowered = loop.lower_checked(b, loop.jit_train_step(b), b.state, tokens)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    return b, compiled, t1 - t0, time.perf_counter() - t1
+
+
+def report(cfg, topology: str, b, compiled, lower_s: float, compile_s: float) -> dict:
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    args, temps = mem.argument_size_in_bytes, mem.temp_size_in_bytes
+    outs, alias = mem.output_size_in_bytes, mem.alias_size_in_bytes
+    # Donated state: outputs that alias arguments take no extra memory.
+    total = args + temps + outs - alias
+    hbm = hbm_bytes(topology)
+    chips = b.mesh.devices.size
+    tokens_per_chip = cfg.data.global_batch_size * cfg.data.seq_len / chips
+    coll = collectives(compiled.as_text())
+    return {
+        "topology": topology,
+        "chips": chips,
+        "mesh": dict(b.mesh.shape),
+        "preset": b.plan.preset.name,
+        "global_batch_size": cfg.data.global_batch_size,
+        "seq_len": cfg.data.seq_len,
+        "tokens_per_chip": tokens_per_chip,
+        "arguments_bytes": args,
+        "temporaries_bytes": temps,
+        "outputs_bytes": outs,
+        "alias_bytes": alias,
+        "total_bytes": total,
+        "hbm_bytes": hbm,
+        "fits": total <= hbm,
+        "flops_per_chip": float(cost.get("flops", float("nan"))) if cost else float("nan"),
+        "lower_s": lower_s,
+        "compile_s": compile_s,
+        "collectives": [
+            {"op": op, "dtypes": dt, "count": v["count"], "bytes": v["bytes"]}
+            for (op, dt), v in sorted(coll.items())
+        ],
+    }
+
+
+def print_report(r: dict) -> None:
+    g = lambda n: f"{n / GiB:8.2f} GiB"
+    print(f"topology {r['topology']}: {r['chips']} chips, mesh {r['mesh']}, preset {r['preset']}")
+    print(
+        f"batch {r['global_batch_size']} x {r['seq_len']} = {r['tokens_per_chip']:.0f} "
+        f"tokens per chip; lower {r['lower_s']:.1f} s, compile {r['compile_s']:.1f} s"
+    )
+    print("memory per chip:")
+    for key in ("arguments", "temporaries", "outputs", "alias"):
+        print(f"  {key:<12}{g(r[key + '_bytes'])}")
+    verdict = "fits" if r["fits"] else "DOES NOT FIT"
+    print(f"  {'total':<12}{g(r['total_bytes'])} of {g(r['hbm_bytes']).strip()} HBM: {verdict}")
+    print(f"FLOPs per chip per step: {r['flops_per_chip']:.4g}")
+    print("collectives per step (ops in the layer scan counted once per layer):")
+    for c in r["collectives"]:
+        print(f"  {c['op']:<20}{c['dtypes']:<12}{c['count']:>6} x  {g(c['bytes'])} total")
+
+
+def main(argv: list[str]) -> int:
+    path, topology, options, overrides = parse_args(argv)
+    from jax.experimental import topologies
+
+    from moetext import config
+
+    cfg = config.load(path, overrides)
+    if cfg.kernels.gmm_backend == "auto":  # "auto" would pick for this host's CPU, not the TPU
+        from moetext.kernels.gmm import auto_backend_name
+
+        tpu = dataclasses.replace(cfg.kernels, gmm_backend=auto_backend_name("tpu"))
+        cfg = cfg.replace(kernels=tpu)
+    devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+    b, compiled, lower_s, compile_s = compile_step(cfg, devices)
+    r = report(cfg, topology, b, compiled, lower_s, compile_s)
+    print_report(r)
+    if "json" in options:
+        Path(options["json"]).write_text(json.dumps(r, indent=1))
+    if "hlo" in options:
+        Path(options["hlo"]).write_text(compiled.as_text())
+    return 0 if r["fits"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,135 @@
+"""Device meshes from a resolved preset, and multi-process start-up.
+
+Each mesh axis has an ICI size (within a slice) and a DCN size (across slices); the mesh axis
+is their product, DCN-major, so collectives over an axis with DCN size 1 never leave a slice.
+Axes are created `Auto` (GSPMD propagation): layers only constrain, XLA places the rest.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from moetext.config.loader import ConfigError
+from moetext.config.schema import DistributedConfig
+from moetext.sharding.rules import Preset
+
+# Set by launchers that start one process per host; any of them means "multi-process".
+_LAUNCHER_ENV = ("JAX_COORDINATOR_ADDRESS", "MEGASCALE_COORDINATOR_ADDRESS")
+
+
+def axis_sizes(preset: Preset, num_devices: int) -> tuple[dict[str, int], dict[str, int]]:
+    """(ici, dcn) sizes per axis with the -1 filled; ConfigError when they cannot cover
+    `num_devices` exactly."""
+    dcn = dict(preset.dcn_mesh)
+    slices = math.prod(dcn.values())
+    ici = dict(preset.mesh)
+    desc = lambda sizes: " x ".join(f"{a}={sizes[a]}" for a in preset.mesh_axes)
+    if num_devices % slices:
+        raise ConfigError(
+            f"sharding.dcn_mesh {desc(dcn)} asks for {slices} slices, which does not divide "
+            f"the {num_devices} devices of this run"
+        )
+    per_slice = num_devices // slices
+    fill = [a for a, s in ici.items() if s == -1]
+    fixed = math.prod(s for s in ici.values() if s != -1)
+    if fill:
+        if per_slice % fixed:
+            raise ConfigError(
+                f"sharding.mesh {desc(ici)}: the fixed axes take {fixed} devices per slice, "
+                f"which does not divide the {per_slice} devices per slice ({num_devices} devices "
+                f"/ {slices} slices), so {fill[0]}=-1 cannot fill the rest"
+            )
+        ici[fill[0]] = per_slice // fixed
+    if math.prod(ici.values()) != per_slice:
+        raise ConfigError(
+            f"sharding.mesh {desc(ici)} (preset {preset.name!r}) covers "
+            f"{math.prod(ici.values())} devices per slice x {slices} slice(s), but this run has "
+            f"{num_devices} devices; make the product {per_slice} or set one axis to -1"
+        )
+    return ici, dcn
+
+
+def make_mesh(preset: Preset, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The mesh over `devices` (default: all), axes named and ordered as in the preset."""
+    devices = list(jax.devices() if devices is None else devices)
+    ici, dcn = axis_sizes(preset, len(devices))
+    names = preset.mesh_axes
+    ici_shape = [ici[a] for a in names]
+    dcn_shape = [dcn[a] for a in names]
+    if math.prod(dcn_shape) == 1:
+        arr = _device_grid(ici_shape, devices)
+    elif hasattr(devices[0], "slice_index"):
+        arr = mesh_utils.create_hybrid_device_mesh(
+            ici_shape, dcn_shape, devices, allow_split_physical_axes=True
+        )
+    else:
+        arr = _sliced_grid(ici_shape, dcn_shape, devices)
+    return Mesh(arr, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def _device_grid(shape: list[int], devices: list) -> np.ndarray:
+    # On TPU the physical torus order matters (neighbours on an axis share a link); other
+    # platforms, and shapes mesh_utils cannot map, keep device order.
+    if devices[0].platform == "tpu":
+        try:
+            return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        except (ValueError, NotImplementedError, AssertionError):
+            pass
+    return np.array(devices, dtype=object).reshape(shape)
+
+
+def _sliced_grid(ici_shape: list[int], dcn_shape: list[int], devices: list) -> np.ndarray:
+    # Devices without a slice_index (CPU, tests): consecutive blocks of devices are the slices.
+    # Each axis becomes (dcn, ici) with dcn major, the same layout as the TPU hybrid mesh.
+    n = len(ici_shape)
+    grid = np.array(devices, dtype=object).reshape(dcn_shape + ici_shape)
+    order = [i for pair in zip(range(n), range(n, 2 * n), strict=True) for i in pair]
+    return grid.transpose(order).reshape([d * i for d, i in zip(dcn_shape, ici_shape, strict=True)])
+
+
+# --- multi-process ---------------------------------------------------------------------------
+
+
+def wants_distributed(cfg: DistributedConfig) -> bool:
+    if cfg.initialize == "never":
+        return False
+    if cfg.initialize == "always":
+        return True
+    if (cfg.num_processes or 1) > 1:
+        return True
+    if int(os.environ.get("JAX_NUM_PROCESSES", "1")) > 1:
+        return True
+    return any(os.environ.get(k) for k in _LAUNCHER_ENV)
+
+
+def initialize_distributed(cfg: DistributedConfig) -> bool:
+    """Calls jax.distributed.initialize when the config or environment says the job spans
+    several processes. Must run before anything touches devices. Returns whether it did."""
+    if not wants_distributed(cfg):
+        return False
+    num = cfg.num_processes or _env_int("JAX_NUM_PROCESSES")
+    pid = cfg.process_id if cfg.process_id is not None else _env_int("JAX_PROCESS_ID")
+    if num is not None and pid is not None and not 0 <= pid < num:
+        raise ConfigError(f"distributed.process_id={pid} is outside [0, num_processes={num})")
+    if jax.config.jax_platforms in ("cpu", None) and (num or 1) > 1:
+        # The CPU client has no cross-process collectives unless one is chosen.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=cfg.coordinator_address,
+        num_processes=num,
+        process_id=pid,
+        initialization_timeout=cfg.initialization_timeout_s,
+    )
+    return True
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None

@@ -1,0 +1,123 @@
+"""Run in a fresh interpreter with 8 fake CPU devices (see test_equivalence.py).
+
+Builds the tiny config on one device and under each sharding setting, and prints one JSON line:
+per setting the loss and gradient errors against the one-device run, the losses of three real
+train steps, and the PartitionSpecs of a few parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import moetext  # noqa: F401  (platform defaults before jax)
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from moetext import config  # noqa: E402
+from moetext import data as data_lib  # noqa: E402
+from moetext.train import loop  # noqa: E402
+from moetext.train.step import make_loss_fn, make_train_step  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs/models/tiny-qwen3-moe.yml"
+BASE = ["train.steps=3", "checkpoint.enabled=false", "train.progress_bar=false"]
+SETTINGS = {
+    "single": ["sharding.preset=fsdp", "sharding.mesh.fsdp=1"],
+    "fsdp": ["sharding.preset=fsdp"],
+    "fsdp_tp": ["sharding.preset=fsdp_tp", "sharding.mesh.tensor=2", "sharding.dcn_mesh.data=2"],
+    "fsdp_ep": ["sharding.preset=fsdp_ep", "sharding.mesh.expert=4"],
+}
+SPEC_PATHS = {
+    "embed": ("embed",),
+    "w_q": ("layers", 0, "attn", "w_q"),
+    "w_k": ("layers", 0, "attn", "w_k"),
+    "experts.w_gate": ("layers", 0, "mlp", "experts", "w_gate"),
+    "experts.w_down": ("layers", 0, "mlp", "experts", "w_down"),
+    "lm_head": ("lm_head",),
+}
+
+
+def run_setting(name: str, overrides: list[str]) -> dict:
+    cfg = config.load(TINY, [*BASE, *overrides])
+    devices = jax.devices()[:1] if name == "single" else jax.devices()
+    b = loop.build(cfg, devices)
+    data = data_lib.build(cfg.data, cfg.model.vocab_size)
+    batches = [
+        jax.make_array_from_callback(t.shape, b.batch_sharding, lambda idx, t=t: t[idx])
+        for t in (data.batch(i) for i in range(3))
+    ]
+    grad_fn = jax.value_and_grad(make_loss_fn(b.graphdef, b.rest), has_aux=True)
+    train_step = make_train_step(b.graphdef, b.rest, b.tx, b.lr_schedule)
+
+    def step_and_grads(state, tokens):
+        # One compile per setting: the real train step, plus the gradients it takes (XLA
+        # shares the forward/backward between the two outputs).
+        (loss, _), grads = grad_fn(state.params, tokens)
+        new_state, metrics = train_step(state, tokens)
+        return new_state, metrics, loss, grads
+
+    jitted = jax.jit(
+        step_and_grads,
+        in_shardings=(b.state_shardings, b.batch_sharding),
+        out_shardings=(
+            b.state_shardings,
+            b.plan.replicated,
+            b.plan.replicated,
+            b.state_shardings.params,
+        ),
+    )
+    step = loop.lower_checked(b, jitted, b.state, batches[0]).compile()
+    state, losses = b.state, []
+    for i, batch in enumerate(batches):
+        state, metrics, loss, grads = step(state, batch)
+        losses.append(float(metrics["loss"]))
+        if i == 0:
+            first_loss, first_grads = float(loss), jax.tree.map(np.asarray, jax.device_get(grads))
+    specs = {}
+    for key, path in SPEC_PATHS.items():
+        node = state.params
+        for p in path:
+            node = node[p]
+        specs[key] = [list(a) if isinstance(a, tuple) else a for a in node.sharding.spec]
+    return {
+        "mesh": dict(b.mesh.shape),
+        "loss": first_loss,
+        "grads": first_grads,
+        "step_losses": losses,
+        "params": jax.tree.map(np.asarray, jax.device_get(state.params)),
+        "specs": specs,
+    }
+
+
+def max_rel(a, b) -> float:
+    """max over leaves of max|a - b| / max|b| (norm-wise relative error per tensor)."""
+    errs = jax.tree.map(
+        lambda x, y: float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) + 1e-30)), a, b
+    )
+    return max(jax.tree.leaves(errs))
+
+
+def main() -> None:
+    assert jax.device_count() == 8, jax.devices()
+    results = {name: run_setting(name, ov) for name, ov in SETTINGS.items()}
+    ref = results["single"]
+    out = {}
+    for name, r in results.items():
+        out[name] = {
+            "mesh": r["mesh"],
+            "loss_rel": abs(r["loss"] - ref["loss"]) / abs(ref["loss"]),
+            "grad_rel": max_rel(r["grads"], ref["grads"]),
+            "step_losses": r["step_losses"],
+            "param_rel": max_rel(r["params"], ref["params"]),
+            "specs": r["specs"],
+        }
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
