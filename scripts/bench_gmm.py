@@ -4,9 +4,10 @@ Legend: M rows (tokens * top-k), K = D model dim, N = F expert hidden dim, G exp
 
 The call timed is the MoE gate projection out[M, F] = x[M, D] @ w[G, D, F] through the public
 moetext.kernels.gmm.gmm, forward alone and forward + backward (dlhs and drhs via jax.vjp), under
-jit, median of --reps after warm-up. The baseline is x[M, D] @ w[D, F] (the same FLOPs: every row
-meets one D x F matrix), forward and forward + backward, timed in the same process, so ratios
-are robust to how loaded the machine is; absolute ms are not.
+jit, after warm-up. The baseline is x[M, D] @ w[D, F] (the same FLOPs: every row meets one D x F
+matrix), forward and forward + backward, timed in alternation with the backend; each ratio is
+the median over --reps (dense, backend) call pairs, so it survives a loaded machine better
+than the absolute ms do.
 
     python scripts/bench_gmm.py --quick                      # CPU, bf16 + f32, M=2048
     python scripts/bench_gmm.py --backends blocked ragged_dot --out bench.json
@@ -44,19 +45,27 @@ def group_sizes(m: int, g: int, routing: str, seed: int = 0) -> np.ndarray:
     return sizes.astype(np.int32)
 
 
-def time_call(fn, *args, reps: int, budget_s: float) -> tuple[float, int]:
-    """Median ms of fn(*args) after compile + one warm call; fewer reps if a call is slow."""
-    jax.block_until_ready(fn(*args))
+def _once(fn, args) -> float:
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
-    first = time.perf_counter() - t0
+    return time.perf_counter() - t0
+
+
+def time_pair(fn, base, args, base_args, *, reps: int, budget_s: float) -> tuple[float, ...]:
+    """(ms, dense ms, ratio, reps): medians over alternating calls of fn and the baseline.
+
+    Alternating and taking the median of per-pair ratios keeps the ratio honest on a shared,
+    loaded machine where absolute times drift by 2x within a minute. A slow fn gets fewer reps.
+    """
+    for f, a in ((fn, args), (base, base_args)):
+        jax.block_until_ready(f(*a))  # compile
+    first = _once(fn, args)
     n = max(1, min(reps, int(budget_s / max(first, 1e-9))))
-    times = [first] if n == 1 else []
-    for _ in range(n if n > 1 else 0):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times), len(times)
+    pairs = [(_once(base, base_args), _once(fn, args)) for _ in range(n)]
+    dense = statistics.median(p[0] for p in pairs)
+    ms = statistics.median(p[1] for p in pairs)
+    ratio = statistics.median(p[1] / p[0] for p in pairs)
+    return 1e3 * ms, 1e3 * dense, ratio, n
 
 
 def _fwd_bwd(f):
@@ -73,11 +82,10 @@ def bench_shape(m, g, routing, dtype, backends, reps, budget_s, rng) -> list[dic
     dout = jnp.asarray(rng.standard_normal((m, F)), dtype)
     gs = jnp.asarray(group_sizes(m, g, routing))
     flops = 2.0 * m * D * F
-    dense = jnp.dot
     dense_w = w_GDF[0]
     base = {
-        "fwd": time_call(jax.jit(dense), x, dense_w, reps=reps, budget_s=budget_s)[0],
-        "fwd+bwd": time_call(_fwd_bwd(dense), x, dense_w, dout, reps=reps, budget_s=budget_s)[0],
+        "fwd": (jax.jit(jnp.dot), (x, dense_w)),
+        "fwd+bwd": (_fwd_bwd(jnp.dot), (x, dense_w, dout)),
     }
     rows = []
     for name in backends:
@@ -89,7 +97,9 @@ def bench_shape(m, g, routing, dtype, backends, reps, budget_s, rng) -> list[dic
             ("fwd", jax.jit(f), (x, w_GDF), 1),
             ("fwd+bwd", _fwd_bwd(f), (x, w_GDF, dout), 3),
         ):
-            ms, n = time_call(fn, *args, reps=reps, budget_s=budget_s)
+            ms, dense_ms, ratio, n = time_pair(
+                fn, base[mode][0], args, base[mode][1], reps=reps, budget_s=budget_s
+            )
             rows.append(
                 dict(
                     backend=name,
@@ -103,8 +113,8 @@ def bench_shape(m, g, routing, dtype, backends, reps, budget_s, rng) -> list[dic
                     ms=ms,
                     reps=n,
                     gflops=mult * flops / ms / 1e6,
-                    dense_ms=base[mode],
-                    ratio=ms / base[mode],
+                    dense_ms=dense_ms,
+                    ratio=ratio,
                 )
             )
             print(format_row(rows[-1]), flush=True)
@@ -138,7 +148,7 @@ def parse_args(argv=None):
         choices=["balanced", "dirichlet"],
     )
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
-    p.add_argument("--reps", type=int, default=5, help="timed calls per point (median)")
+    p.add_argument("--reps", type=int, default=5, help="timed (dense, backend) pairs per point")
     p.add_argument(
         "--budget-s",
         type=float,

@@ -1,23 +1,23 @@
 """Backend "blocked": portable XLA grouped matmul (no Pallas) that is fast on CPU.
 
 Legend: M rows (sorted by group), K contraction, N outputs, G groups in group_sizes, L local
-groups (rhs.shape[0]), T a static row-tile size (`tm` for full tiles, a multiple of `step` for
-the one remainder tile of a group).
+groups (rhs.shape[0]), T a static tile row count, P = M + tm padded rows.
 
 Plan: one loop over the L local groups. A group's rows are a contiguous window of lhs, so each
 group reads its rows in place with dynamic slices (no gather of rows, no gather of weights):
-  * full tiles of `tm` rows (a dynamic-trip-count loop, so empty and small groups cost nothing),
-  * then a single remainder tile whose size is rounded up to a multiple of `step`, picked by
-    `lax.switch` among the tm // step static sizes (one matmul call, waste < step rows).
-A tile may run past its group (or past M, where the slice is clamped back): the rows that are not
-the group's are masked, so every output row is written only by its own group.
+  * full tiles of `tm` rows (a loop with the group's own trip count: empty groups cost nothing),
+  * then one remainder tile, the smallest of tm, tm/2, ..., max(8, tm/16) rows that holds the
+    rest, picked by `lax.switch` (one matmul call; padding under 2x the remainder).
+gmm lets a tile run past its group: groups are visited in order, so the next group overwrites
+those rows, and rows no local group owns are zeroed once at the end (lhs is padded by one tile
+so no slice is clamped). tgmm masks the foreign rows of one operand instead.
 
-Why this shape: on XLA:CPU every dot call pays a fixed cost (weight packing, thread start) and
-small tiles waste throughput, while padding to a row tile wastes FLOPs. Full tiles of up to 512
-rows run at dense-matmul speed; one rounded remainder tile per group bounds the padding at
-L * step rows and the call count at M / tm + L. A single batched dot over padded tiles would
-instead need a [tiles, K, N] gather of the weights, which costs more memory traffic than the
-matmul itself at K=2048, N=768.
+Why this shape: on XLA:CPU every dot call pays a fixed cost (weight packing, thread start), as
+much as ~100 rows of compute at K=2048, N=768, while padding to a row tile wastes FLOPs. Full
+tiles of up to 512 rows run at dense-matmul speed and each group costs (full tiles + 1) calls.
+A single batched dot over padded tiles would need a [tiles, K, N] gather of the weights, more
+memory traffic than the matmul itself at these shapes. Each distinct tile size is one more
+compiled dot, which is why there are only five.
 """
 
 from __future__ import annotations
@@ -116,23 +116,28 @@ def blocked_gmm(
     contract = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
     group_offset = jnp.asarray(group_offset, jnp.int32)
 
-    def group(i, out_MN):
+    # Tiles run past their group's end: groups are visited in order, so those rows are later
+    # overwritten by their own group, and rows no local group owns are zeroed once at the end.
+    # Padding lhs by one tile (one M*K copy) removes clamping, so no tile needs a row mask.
+    lhs_PK = jnp.pad(lhs_MK, ((0, tiles[0]), (0, 0)))
+
+    def group(i, out_PN):
         start, size = _group_window(group_sizes, group_offset, i)
         w = lax.dynamic_index_in_dim(rhs, i, 0, keepdims=False)
-        end = start + size
 
-        def tile(out_MN, row0, rows):
-            s, x_TK, mask = _row_slice(lhs_MK, row0, rows)
-            mask &= s + jnp.arange(rows) < end
+        def tile(out_PN, row0, rows):
+            x_TK = lax.dynamic_slice_in_dim(lhs_PK, row0, rows, 0)
             y_TN = lax.dot_general(x_TK, w, contract, preferred_element_type=acc).astype(pet)
-            old = lax.dynamic_slice_in_dim(out_MN, s, rows, 0)
-            return lax.dynamic_update_slice_in_dim(
-                out_MN, jnp.where(mask[:, None], y_TN, old), s, 0
-            )
+            return lax.dynamic_update_slice_in_dim(out_PN, y_TN, row0, 0)
 
-        return _for_each_tile(out_MN, start, size, tiles, tile)
+        return _for_each_tile(out_PN, start, size, tiles, tile)
 
-    return lax.fori_loop(0, num_local, group, jnp.zeros((m, n), pet))
+    out_PN = lax.fori_loop(0, num_local, group, jnp.zeros((m + tiles[0], n), pet))
+    ends = jnp.cumsum(group_sizes)
+    lo = (ends - group_sizes)[jnp.minimum(group_offset, group_sizes.shape[0] - 1)]
+    hi = ends[jnp.minimum(group_offset + num_local, group_sizes.shape[0]) - 1]
+    rows = jnp.arange(m)[:, None]
+    return jnp.where((rows >= lo) & (rows < hi), out_PN[:m], jnp.zeros((), pet))
 
 
 def blocked_tgmm(
