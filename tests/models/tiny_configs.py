@@ -2,8 +2,6 @@
 
 import dataclasses
 
-import pytest
-
 from moetext.config.schema import KernelsConfig, ModelConfig, MoEConfig
 
 # float32 compute so comparisons against oracles and between code paths can be tight.
@@ -37,8 +35,3 @@ def tiny(**model_changes) -> ModelConfig:
 
 def tiny_moe(**moe_changes) -> MoEConfig:
     return dataclasses.replace(TINY_MOE, **moe_changes)
-
-
-@pytest.fixture
-def kernels_cfg():
-    return KERNELS
