@@ -116,7 +116,11 @@ def _layer_step(graphdef, policy: str, *, in_scan: bool):
 
 
 class Decoder(nnx.Module):
-    """tokens_BS -> (logits_BSV float32, aux). aux losses are means over the MoE layers."""
+    """tokens_BS -> (logits_BSV float32, aux).
+
+    aux: float32 scalars moe_loss (weighted, ready to add to the CE loss), load_balance_loss,
+    router_z_loss, dropped_fraction; each is the mean over MoE layers (zeros with none).
+    """
 
     def __init__(
         self,
