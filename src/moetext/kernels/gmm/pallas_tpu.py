@@ -251,14 +251,22 @@ def _gmm_kernel(
         def _():
             acc_ref[...] = jnp.zeros_like(acc_ref)
 
-        lhs, rhs = lhs_ref[...], rhs_ref[...]
-        if k % tk:
-            lhs = _mask_cols(lhs, 1, ki * tk, k)
-            rhs = _mask_cols(rhs, 1 if transpose_rhs else 0, ki * tk, k)
         contract = (1,) if transpose_rhs else (0,)
-        acc_ref[...] += jax.lax.dot_general(
-            lhs, rhs, (((1,), contract), ((), ())), preferred_element_type=jnp.float32
-        )
+
+        def accumulate(mask_tail: bool):
+            lhs, rhs = lhs_ref[...], rhs_ref[...]
+            if mask_tail:
+                lhs = _mask_cols(lhs, 1, ki * tk, k)
+                rhs = _mask_cols(rhs, 1 if transpose_rhs else 0, ki * tk, k)
+            acc_ref[...] += jax.lax.dot_general(
+                lhs, rhs, (((1,), contract), ((), ())), preferred_element_type=jnp.float32
+            )
+
+        if k % tk:  # only the last K block runs past K; the masks cost VPU time elsewhere
+            pl.when(ki == last_k)(lambda: accumulate(True))
+            pl.when(ki != last_k)(lambda: accumulate(False))
+        else:
+            accumulate(False)
 
         @pl.when(ki == last_k)
         def _store():
@@ -379,12 +387,19 @@ def _tgmm_kernel(
             mine = (rows >= starts_L[g]) & (rows < ends_L[g])
             return jnp.where(mine, x, jnp.zeros((), x.dtype))
 
-        acc_ref[...] += jax.lax.dot_general(
-            own_rows(lhs_ref[...]),
-            own_rows(rhs_ref[...]),
-            (((0,), (0,)), ((), ())),
-            preferred_element_type=jnp.float32,
-        )
+        def accumulate(mask_rows: bool):
+            lhs, rhs = lhs_ref[...], rhs_ref[...]
+            if mask_rows:
+                lhs, rhs = own_rows(lhs), own_rows(rhs)
+            acc_ref[...] += jax.lax.dot_general(
+                lhs, rhs, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )
+
+        # Most tiles lie inside their group (ends <= M, so no rows past M either): skip the
+        # masks there, they cost VPU time on every [tm, tk] and [tm, tn] element.
+        inside = (tile * tm >= starts_L[g]) & (tile * tm + tm <= ends_L[g])
+        pl.when(inside)(lambda: accumulate(False))
+        pl.when(jnp.logical_not(inside))(lambda: accumulate(True))
 
         @pl.when(last)
         def _():
