@@ -148,11 +148,13 @@ def test_tgmm_empty_groups_and_window(offset, num_local, dtype):
     _assert_close(out, ref(a, b), ref(abs(a), abs(b)), 90, dtype, "tgmm")
 
 
-def test_existing_out_keeps_non_local_rows():
+# The TPU interpreter also models the DMA of the aliased existing_out blocks.
+@pytest.mark.parametrize("interpret", [None, pltpu.InterpretParams()], ids=["auto", "tpu"])
+def test_existing_out_keeps_non_local_rows(interpret):
     case = TAIL
     lhs, rhs, _, gs = make_inputs(case, jnp.float32)
     existing = jnp.asarray(np.random.default_rng(1).standard_normal((case.m, case.n)), jnp.float32)
-    run = lambda lhs, rhs, gs, existing: PallasTpuBackend().gmm(
+    run = lambda lhs, rhs, gs, existing: PallasTpuBackend(interpret=interpret).gmm(
         lhs,
         rhs,
         gs,
