@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from moetext.kernels.fp8 import pallas_fp8
-from moetext.kernels.fp8.quantize import DualQuantized, Quantized, dual_quantize
+from moetext.kernels.fp8.quantize import DualQuantized, Quantized
 from moetext.kernels.fp8.recipe import Fp8Recipe
 from moetext.kernels.gmm.backend import GmmBackend
 
@@ -276,12 +276,16 @@ def _qgmm_fwd(static, lhs, rhs, group_sizes, group_offset):
 def _qgmm_bwd(static, res, dout):
     qb, _, transpose_rhs, tiling, lhs_dtype, rhs_dtype = static
     lhs_res, rhs_res, group_sizes, group_offset = res
+    # Tie the weights to dout so their backward quantization stays in the backward: else XLA
+    # fuses it with the forward one (same operand) and keeps it alive across the forward pass.
+    rhs_res, dout = jax.lax.optimization_barrier((rhs_res, dout))
     num_local = rhs_res.value.shape[0] if isinstance(rhs_res, Quantized) else rhs_res.shape[0]
     common = dict(group_offset=group_offset, tiling=tiling)
     if qb.bwd_quantize:
-        d: DualQuantized = dual_quantize(
-            dout, block_size=qb.recipe.block_size, dtype=qb.recipe.grad_dtype
+        dq = functools.partial(
+            Quantized.of, block_size=qb.recipe.block_size, dtype=qb.recipe.grad_dtype
         )
+        d = DualQuantized(dq(dout, axis=1), dq(dout, axis=0))
         rq = (
             rhs_res
             if isinstance(rhs_res, Quantized)

@@ -1,0 +1,205 @@
+"""FP8 (QuantizedGmm) vs bf16 for one MoE expert FFN: residual memory and CPU time.
+
+    .venv/bin/python scripts/bench_fp8.py memory [--target cpu|v5p:2x2x1|...]   # Qwen3-30B-A3B
+    .venv/bin/python scripts/bench_fp8.py time [--tokens 1024 --d 1024 --f 512 --experts 16]
+
+Legend: T tokens, K top-k, M = T*K routed rows, D model dim, F expert hidden dim, E experts.
+The function is the expert half of an MoE layer: xs = x[rows sorted by expert] (a temporary, as
+in the real dispatch), g = gmm(xs, w_gate), u = gmm(xs, w_up), h = silu(g) * u,
+y = gmm(h, w_down), loss = <y, c>. memory: residuals the forward keeps for the backward (from the
+jaxpr of jax.vjp, inputs excluded, split into the gmm operands and the rest) and the compiled
+temp bytes of the jitted gradient (XLA's memory analysis; AOT for a TPU topology). time: median
+wall time of the jitted gradient, bf16 and FP8 with the same backend, in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # AOT only describes a topology
+import moetext  # noqa: E402,F401,I001  (platform defaults before jax is imported)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from moetext.kernels.fp8 import Fp8Recipe, QuantizedGmm  # noqa: E402
+from moetext.kernels.gmm import get_backend, gmm  # noqa: E402
+
+MiB = 1 << 20
+
+
+def moe_ffn_loss(backend, x_TD, w_in_EDX, w_down_EFD, order_M, sizes_E, topk):
+    """w_in_EDX: [E, D, 2F] fused gate|up (the MoE block's layout, xs quantized once), or a pair
+    ([E, D, F], [E, D, F]) for separate gate and up gmms."""
+    xs_MD = x_TD[order_M // topk]
+    if isinstance(w_in_EDX, tuple):
+        g_MF = gmm(xs_MD, w_in_EDX[0], sizes_E, backend=backend)
+        u_MF = gmm(xs_MD, w_in_EDX[1], sizes_E, backend=backend)
+    else:
+        g_MF, u_MF = jnp.split(gmm(xs_MD, w_in_EDX, sizes_E, backend=backend), 2, axis=-1)
+    h_MF = jax.nn.silu(g_MF) * u_MF
+    y_MD = gmm(h_MF, w_down_EFD, sizes_E, backend=backend)
+    # A plain sum: its cotangent is a broadcast constant, so the loss adds no residual.
+    return jnp.sum(y_MD.astype(jnp.float32))
+
+
+def make_args(t, k, d, f, e, fused, sharding=None, concrete=False):
+    m = t * k
+    w_in = [((e, d, 2 * f), jnp.bfloat16)] if fused else [((e, d, f), jnp.bfloat16)] * 2
+    shapes = [((t, d), jnp.bfloat16), *w_in, ((e, f, d), jnp.bfloat16)]
+    if concrete:
+        rng = np.random.default_rng(0)
+        arrs = [
+            jnp.asarray(rng.standard_normal(s) * (1.0 if i == 0 else s[-2] ** -0.5), dt)
+            for i, (s, dt) in enumerate(shapes)
+        ]
+        experts = rng.integers(0, e, m)
+        order = jnp.asarray(np.argsort(experts, kind="stable"), jnp.int32)
+        sizes = jnp.asarray(np.bincount(experts, minlength=e), jnp.int32)
+    else:
+        arrs = [jax.ShapeDtypeStruct(s, dt, sharding=sharding) for s, dt in shapes]
+        order = jax.ShapeDtypeStruct((m,), jnp.int32, sharding=sharding)
+        sizes = jax.ShapeDtypeStruct((e,), jnp.int32, sharding=sharding)
+    w_in = arrs[1] if fused else (arrs[1], arrs[2])
+    return [arrs[0], w_in, arrs[-1], order, sizes]
+
+
+def _residual_avals(fn, args, keep_inputs=()):
+    """Avals of what jax.vjp(fn) keeps for the backward; inputs excluded except keep_inputs."""
+    closed = jax.make_jaxpr(lambda *a: jax.vjp(fn, *a)[1])(*args)
+    skip = {id(v) for i, v in enumerate(closed.jaxpr.invars) if i not in keep_inputs}
+    seen, out = set(), []
+    for v in closed.jaxpr.outvars:
+        if hasattr(v, "aval") and id(v) not in skip and id(v) not in seen:
+            seen.add(id(v))
+            out.append(v.aval)
+    return out
+
+
+def _nbytes(avals):
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in avals)
+
+
+def residuals(backend, args, topk):
+    """(bytes kept for the gmm lhs operands, bytes of all residuals, residual avals).
+
+    The gmm share is measured on each gmm call alone with its lhs counted (inside the layer the
+    lhs is a temporary): bf16 keeps lhs itself, FP8 its values and scales. Weights are
+    parameters (inputs) in both.
+    """
+    layer = _residual_avals(lambda *a: moe_ffn_loss(backend, *a, topk), args)
+    x, w_in, w_down, order, sizes = args
+    m, d, f = order.shape[0], x.shape[1], w_down.shape[1]
+    calls = [((m, d), w) for w in (w_in if isinstance(w_in, tuple) else (w_in,))]
+    calls.append(((m, f), w_down))
+    ours = 0
+    for lhs_shape, w in calls:
+        lhs = jax.ShapeDtypeStruct(lhs_shape, jnp.bfloat16)
+        fn = lambda a, w, gs: gmm(a, w, gs, backend=backend)
+        kept = _residual_avals(fn, (lhs, w, sizes), keep_inputs=(0,))
+        ours += _nbytes(a for a in kept if jnp.issubdtype(a.dtype, jnp.floating))
+    return ours, _nbytes(layer), layer
+
+
+def compiled_temp(backend, args, topk):
+    loss = lambda *a: moe_ffn_loss(backend, *a, topk)
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    mem = grad.lower(*args).compile().memory_analysis()
+    return mem.temp_size_in_bytes
+
+
+def memory(a) -> None:
+    if a.target == "cpu":
+        sharding, base = None, get_backend(a.backend)
+    else:
+        from jax.experimental import topologies
+        from jax.sharding import SingleDeviceSharding
+
+        from moetext.kernels.gmm.pallas_tpu import PallasTpuBackend
+
+        dev = topologies.get_topology_desc(topology_name=a.target, platform="tpu").devices[0]
+        sharding, base = SingleDeviceSharding(dev), PallasTpuBackend.for_device(dev)
+    args = make_args(a.tokens, a.topk, a.d, a.f, a.experts, a.fused, sharding)
+    print(
+        f"target {a.target}, backend {base.name}, T={a.tokens} K={a.topk} M={a.tokens * a.topk}"
+        f" D={a.d} F={a.f} E={a.experts}"
+    )
+    rows = {}
+    for label, be in (("bf16", base), ("fp8", QuantizedGmm(base, Fp8Recipe()))):
+        ours, total, detail = residuals(be, args, a.topk)
+        temp = compiled_temp(be, args, a.topk) if a.compiled else float("nan")
+        rows[label] = (ours, total, temp)
+        print(
+            f"{label}: gmm lhs residuals {ours / MiB:8.1f} MiB | layer residuals "
+            f"{total / MiB:8.1f} MiB | compiled grad temp {temp / MiB:8.1f} MiB"
+        )
+        print("    layer residuals:", ", ".join(f"{a.shape}{a.dtype.name}" for a in detail))
+    pct = lambda i: 100 * (1 - rows["fp8"][i] / rows["bf16"][i])
+    print(
+        f"fp8 vs bf16: gmm lhs residuals {pct(0):.1f}% less, layer residuals {pct(1):.1f}% less, "
+        f"compiled grad temp {pct(2):.1f}% less"
+    )
+
+
+def timing(a) -> None:
+    args = make_args(a.tokens, a.topk, a.d, a.f, a.experts, a.fused, concrete=True)
+    base = get_backend(a.backend)
+    print(f"CPU time, backend {base.name}, T={a.tokens} K={a.topk} D={a.d} F={a.f} E={a.experts}")
+    res = {}
+    for label, be in (("bf16", base), ("fp8", QuantizedGmm(base, Fp8Recipe()))):
+        loss = lambda *x, be=be: moe_ffn_loss(be, *x, a.topk)
+        for what, fn in (
+            ("fwd", jax.jit(loss)),
+            ("fwd+bwd", jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))),
+        ):
+            jax.block_until_ready(fn(*args))
+            ts = []
+            for _ in range(a.repeats):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                ts.append(time.perf_counter() - t0)
+            res[label, what] = float(np.median(ts))
+            print(f"{label:>5} {what:>8}: {res[label, what] * 1e3:9.1f} ms (median of {a.repeats})")
+    for what in ("fwd", "fwd+bwd"):
+        print(f"fp8 / bf16 {what}: {res['fp8', what] / res['bf16', what]:.2f}x")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("mode", choices=["memory", "time"])
+    p.add_argument("--target", default="cpu", help="cpu, or a TPU topology such as v5p:2x2x1")
+    p.add_argument("--backend", default="blocked", help="gmm backend for the cpu target")
+    p.add_argument("--tokens", type=int, default=None)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--d", type=int, default=None)
+    p.add_argument("--f", type=int, default=None)
+    p.add_argument("--experts", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--unfused",
+        dest="fused",
+        action="store_false",
+        help="separate gate and up gmms (xs quantized for each) instead of one [E,D,2F]",
+    )
+    p.add_argument(
+        "--no-compiled",
+        dest="compiled",
+        action="store_false",
+        help="memory: skip the (slow) compiled memory analysis",
+    )
+    a = p.parse_args()
+    # memory defaults: Qwen3-30B-A3B layer shapes; time defaults: a shape 2 CPU cores can run.
+    big = a.mode == "memory"
+    a.tokens = a.tokens or (8192 if big else 1024)
+    a.d, a.f = a.d or (2048 if big else 1024), a.f or (768 if big else 512)
+    a.experts = a.experts or (128 if big else 16)
+    memory(a) if big else timing(a)
+
+
+if __name__ == "__main__":
+    main()
