@@ -7,6 +7,9 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+# Parallel test workers (pytest -n) each load libtpu for AOT compiles; without this the
+# second one fails on libtpu's lockfile.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import moetext  # noqa: E402,F401  (sets platform defaults before jax initialises)
 
