@@ -13,6 +13,8 @@ def _quiet_cpu_defaults() -> None:
         _os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
         _os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
         _os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
+        # Several CPU processes (tests, AOT scripts) may load libtpu for compiles at once.
+        _os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 _quiet_cpu_defaults()
