@@ -14,6 +14,7 @@ from moetext.config.schema import KernelsConfig, MoEConfig
 from moetext.kernels import gmm as gmm_lib
 from moetext.models.layers.mlp import SwiGLU
 from moetext.models.moe import dispatch as dsp
+from moetext.models.moe import ep
 from moetext.models.moe.experts import Experts
 from moetext.models.moe.router import Router, load_balance_loss, route, router_z_loss
 
@@ -108,6 +109,10 @@ class MoEBlock(nnx.Module):
         return y_TD.reshape(b, s, d), aux
 
     def _dropless(self, x_TD, ids_TK):
+        # The sharding rules, not a flag, decide: "exp" on mesh axes of size > 1 means EP.
+        layout = ep.layout_from_context(self.cfg.num_experts)
+        if layout is not None:
+            return ep.dropless(layout, x_TD, ids_TK, self.experts, self.kernels)
         xs_MD, group_sizes_E, order_M = dsp.permute(x_TD, ids_TK, self.cfg.num_experts)
         ys_MD = self.experts.grouped(
             xs_MD,

@@ -1,0 +1,299 @@
+"""Expert parallelism (EP): the dropless dispatch inside `jax.shard_map`, tokens moved by all-to-all.
+
+Legend: T tokens (global), t local tokens, K experts per token, m = t*K local assignment rows,
+D emb_dim, F moe_intermediate_size, E experts, P expert-parallel shards, L = E/P experts per
+shard, R rows received by a shard, C rows per destination in the padded (CPU) exchange.
+
+EP turns on by itself when the active logical rules (`logical.use_rules`) map the logical axis
+"exp" to mesh axes of total size P > 1 (preset fsdp_ep); otherwise the block runs its
+single-shard path. Per shard:
+
+    permute local rows by global expert id -> exchange per-expert counts (all_gather over the
+    exp axes) -> rows to the shard owning their expert (all-to-all) -> sort received rows by
+    local expert -> three gmm calls with group_offset = shard * L -> unsort -> rows back
+    (reverse all-to-all) -> unpermute -> y_TKD (the block combines with the routing weights)
+
+Shard p owns experts [p*L, (p+1)*L): the weights are split along E on the exp axes, so their
+dim-0 block p is exactly those experts. Routing and the aux losses stay outside, on the global
+token view, so they equal the single-device values by construction.
+
+Two exchanges, picked by the mesh's platform (not a flag):
+  * "ragged" (TPU): `jax.lax.ragged_all_to_all` sends exactly the rows each shard needs; the
+    receive buffer holds the worst case P*m rows (every row of every shard to this shard).
+  * "padded" (CPU and others; XLA:CPU has no ragged-all-to-all): each shard sends every other
+    shard a fixed buffer of C = m rows (the worst case for one destination), so both the send
+    and the receive buffers are [P*m, D]: P times the rows of the single-shard path, and P
+    times the bytes on the wire. Dropless; nothing overflows, so nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+
+from moetext.kernels import gmm as gmm_lib
+from moetext.models.moe import dispatch as dsp
+from moetext.sharding import logical
+
+# Logical names of the expert weights (models/moe/experts.py creates them with these).
+W_IN_NAMES = ("exp", "embed", "mlp_moe")  # w_gate, w_up [E, D, F]
+W_OUT_NAMES = ("exp", "mlp_moe", "embed")  # w_down [E, F, D]
+TOKEN_NAMES = ("batch", "length")
+
+# The ragged collective, looked up at call time so a test can substitute an emulation on CPU.
+ragged_all_to_all = jax.lax.ragged_all_to_all
+
+
+@dataclasses.dataclass(frozen=True)
+class EPLayout:
+    """Where things live for one EP dispatch (all static, read from the rules at trace time)."""
+
+    mesh: Mesh
+    exp_axes: tuple[str, ...]  # mesh axes that split E (shard index = axis_index over them)
+    num_shards: int  # P
+    token_axes: tuple[str, ...]  # mesh axes that split T inside the shard_map
+    w_in_spec: PartitionSpec
+    w_out_spec: PartitionSpec
+    exchange: str  # "ragged" | "padded"
+
+
+def _axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _size(mesh: Mesh, axes: tuple[str, ...]) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def exchange_for(mesh: Mesh) -> str:
+    """ "ragged" where XLA has ragged-all-to-all (TPU), "padded" elsewhere."""
+    return "ragged" if mesh.devices.flat[0].platform == "tpu" else "padded"
+
+
+def layout_from_context(num_experts: int) -> EPLayout | None:
+    """The EP layout of the active rules, or None when EP is off (no rules, or exp size 1)."""
+    ctx = logical.current()
+    if ctx is None:
+        return None
+    mesh, rules = ctx
+    names = mesh.axis_names
+    w_in = logical.logical_to_mesh_spec(W_IN_NAMES, rules, names)
+    exp_axes = _axes(w_in[0])
+    p = _size(mesh, exp_axes)
+    if p <= 1:
+        return None
+    if num_experts % p:
+        raise ValueError(
+            f"expert parallelism: num_experts={num_experts} is not divisible by the {p} shards "
+            f"of mesh axes {exp_axes} (mesh {dict(mesh.shape)}); pick an expert axis size that "
+            f"divides {num_experts}"
+        )
+    tok = logical.logical_to_mesh_spec(TOKEN_NAMES, rules, names)
+    token_axes = _axes(tok[0]) + _axes(tok[1])
+    # Tokens must be split over the exp axes too (each shard dispatches its own rows); if the
+    # rules replicate them there, split them anyway: shard_map slices, nothing is lost.
+    token_axes += tuple(a for a in exp_axes if a not in token_axes)
+    w_out = logical.logical_to_mesh_spec(W_OUT_NAMES, rules, names)
+    return EPLayout(mesh, exp_axes, p, token_axes, w_in, w_out, exchange_for(mesh))
+
+
+def gather_expert_weights(w: jax.Array, spec: PartitionSpec) -> jax.Array:
+    """All-gathers a local expert-weight shard over its non-expert mesh axes (e.g. fsdp on D).
+
+    Dim 0 (experts) stays split: that is expert parallelism. The one place to swap in a
+    quantized all-gather; its transpose (psum_scatter) gives the weight gradient's reduction.
+    """
+    for dim in range(1, w.ndim):
+        axes = _axes(spec[dim] if dim < len(spec) else None)
+        if axes:
+            w = jax.lax.all_gather(w, axes, axis=dim, tiled=True)
+    return w
+
+
+def dropless(layout: EPLayout, x_TD, ids_TK, experts, kernels) -> jax.Array:
+    """y_TKD = expert_{ids[t, k]}(x_t) for every assignment, experts split over the exp axes.
+
+    `experts` is the block's `Experts` module (stacked global weights [E, D, F] / [E, F, D]);
+    `kernels` the KernelsConfig (gmm backend, checked, tiling).
+    """
+    t, k = ids_TK.shape
+    shards = _size(layout.mesh, layout.token_axes)
+    if t % shards:
+        raise ValueError(
+            f"expert parallelism: {t} tokens (batch x length) do not split over the {shards} "
+            f"shards of mesh axes {layout.token_axes} (mesh {dict(layout.mesh.shape)}); make "
+            f"the global batch a multiple of {shards}"
+        )
+    tok = PartitionSpec(layout.token_axes)
+    body = _shard_body(layout, experts.w_gate.shape[0], experts.dtype, kernels)
+    fn = jax.shard_map(
+        body,
+        mesh=layout.mesh,
+        in_specs=(tok, tok, layout.w_in_spec, layout.w_in_spec, layout.w_out_spec),
+        out_specs=tok,
+        # The gmm backends build loop carries from fresh zeros (no varying-mesh-axis type), which
+        # the vma checker rejects; the specs above state the replication exactly instead.
+        check_vma=False,
+    )
+    return fn(x_TD, ids_TK, experts.w_gate[...], experts.w_up[...], experts.w_down[...])
+
+
+def _shard_body(layout: EPLayout, num_experts: int, dtype, kernels):
+    p, axes = layout.num_shards, layout.exp_axes
+    n_local = num_experts // p
+
+    def body(x_tD, ids_tK, w_gate, w_up, w_down):
+        w_gate = gather_expert_weights(w_gate, layout.w_in_spec).astype(dtype)
+        w_up = gather_expert_weights(w_up, layout.w_in_spec).astype(dtype)
+        w_down = gather_expert_weights(w_down, layout.w_out_spec).astype(dtype)
+        me = jax.lax.axis_index(axes)
+        k = ids_tK.shape[1]
+        xs_mD, sizes_E, order_m = dsp.permute(x_tD.astype(dtype), ids_tK, num_experts)
+        # sizes_PE[i, e]: rows shard i sends to expert e; every shard derives all offsets from it.
+        sizes_PE = jax.lax.all_gather(sizes_E, axes, axis=0, tiled=False)
+        exchange = _RaggedExchange if layout.exchange == "ragged" else _PaddedExchange
+        ex = exchange(axes, p, n_local, me, sizes_PE, xs_mD.shape[0])
+        recv_RD, local_R = ex.forward(xs_mD)
+        # Received rows come source-major; gmm needs them grouped by expert (stable: padding,
+        # key n_local, sorts last, past sum(group_sizes), where gmm writes zeros).
+        sort_R = jnp.argsort(local_R, stable=True).astype(jnp.int32)
+        mine_E = (jnp.arange(num_experts) // n_local) == me
+        group_sizes_E = jnp.where(mine_E, jnp.sum(sizes_PE, axis=0), 0).astype(jnp.int32)
+        ys_RD = _swiglu(
+            jnp.take(recv_RD, sort_R, axis=0),
+            w_gate,
+            w_up,
+            w_down,
+            group_sizes_E,
+            me * n_local,
+            kernels,
+            dtype,
+        )
+        unsort_R = (
+            jnp.zeros_like(sort_R).at[sort_R].set(jnp.arange(sort_R.shape[0], dtype=jnp.int32))
+        )
+        ys_mD = ex.backward(jnp.take(ys_RD, unsort_R, axis=0))
+        return dsp.unpermute(ys_mD, order_m, k)
+
+    return body
+
+
+def _swiglu(xs_RD, w_gate, w_up, w_down, group_sizes_E, group_offset, kernels, dtype):
+    """The local experts' SwiGLU on rows grouped by expert; rows of other experts come out 0."""
+
+    def mm(lhs, w):
+        return gmm_lib.gmm(
+            lhs,
+            w,
+            group_sizes_E,
+            backend=kernels.gmm_backend,
+            preferred_element_type=dtype,
+            group_offset=group_offset,
+            checked=kernels.checked,
+            tiling=kernels.tiling,
+        )
+
+    h_RF = jax.nn.silu(mm(xs_RD, w_gate)) * mm(xs_RD, w_up)
+    return mm(h_RF, w_down)
+
+
+def _exclusive_cumsum(x, axis):
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def _count_le(ends, rows):
+    """For each row, how many of the sorted segment `ends` are <= it: the index of the segment
+    holding the row (empty segments skipped), len(ends) past the last."""
+    return jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)
+
+
+class _PaddedExchange:
+    """Fixed [P, C=m] row buffers per destination and a plain all_to_all (any platform)."""
+
+    def __init__(self, axes, p, n_local, me, sizes_PE, m):
+        self.axes, self.p, self.c = axes, p, m
+        send_P = jnp.sum(sizes_PE[me].reshape(p, n_local), axis=1)
+        self.send_start_P = _exclusive_cumsum(send_P, 0)
+        self.send_P = send_P
+        # From source i this shard receives, per local expert, sizes_PE[i, me*L:(me+1)*L] rows.
+        mine_PL = jax.lax.dynamic_slice_in_dim(sizes_PE, me * n_local, n_local, axis=1)
+        self.mine_PL = mine_PL
+
+    def _slots(self):
+        slot_C = jnp.arange(self.c, dtype=jnp.int32)
+        return slot_C, self.send_start_P[:, None] + slot_C[None, :]
+
+    def forward(self, xs_mD):
+        slot_C, src_PC = self._slots()
+        valid_PC = slot_C[None, :] < self.send_P[:, None]
+        buf_PCD = jnp.where(
+            valid_PC[..., None], jnp.take(xs_mD, jnp.minimum(src_PC, self.c - 1), axis=0), 0
+        )
+        recv = jax.lax.all_to_all(buf_PCD.reshape(self.p * self.c, -1), self.axes, 0, 0, tiled=True)
+        ends_PL = jnp.cumsum(self.mine_PL, axis=1)
+        # Local expert of received slot (i, s): how many of source i's expert blocks end at or
+        # before s; n_local for the padding past what i sent.
+        local_PC = jax.vmap(lambda ends_L: _count_le(ends_L, slot_C))(ends_PL)
+        return recv, local_PC.reshape(-1)
+
+    def backward(self, ys_RD):
+        back = jax.lax.all_to_all(ys_RD, self.axes, 0, 0, tiled=True)
+        # Sorted row r went to destination dest(r) at slot r - send_start[dest(r)].
+        r_m = jnp.arange(self.c, dtype=jnp.int32)
+        dest_m = jnp.minimum(_count_le(jnp.cumsum(self.send_P), r_m), self.p - 1)
+        idx_m = dest_m * self.c + r_m - self.send_start_P[dest_m]
+        return jnp.take(back, idx_m, axis=0)
+
+
+class _RaggedExchange:
+    """`ragged_all_to_all` with exact sizes; receive buffer of the worst case P*m rows (TPU)."""
+
+    def __init__(self, axes, p, n_local, me, sizes_PE, m):
+        self.axes, self.p, self.m = axes, p, m
+        # s_PP[i, j]: rows shard i sends to shard j.
+        s_PP = jnp.sum(sizes_PE.reshape(p, p, n_local), axis=2).astype(jnp.int32)
+        self.send_P, self.recv_P = s_PP[me], s_PP[:, me]
+        self.send_start_P = _exclusive_cumsum(self.send_P, 0)
+        self.recv_start_P = _exclusive_cumsum(self.recv_P, 0)
+        # Where this shard's rows land in receiver j (after those of shards i < me), and where
+        # receiver j's chunk started in source i's sorted rows (for the way back).
+        self.out_offsets_P = _exclusive_cumsum(s_PP, 0)[me]
+        self.back_offsets_P = _exclusive_cumsum(s_PP, 1)[:, me]
+        self.mine_PL = jax.lax.dynamic_slice_in_dim(sizes_PE, me * n_local, n_local, axis=1)
+
+    def forward(self, xs_mD):
+        out = jnp.zeros((self.p * self.m, xs_mD.shape[1]), xs_mD.dtype)
+        recv = ragged_all_to_all(
+            xs_mD,
+            out,
+            self.send_start_P,
+            self.send_P,
+            self.out_offsets_P,
+            self.recv_P,
+            axis_name=self.axes,
+        )
+        # Received rows are segments (source i, local expert l) in (i, l) order.
+        n_local = self.mine_PL.shape[1]
+        ends_Q = jnp.cumsum(self.mine_PL.reshape(-1))
+        r_R = jnp.arange(self.p * self.m, dtype=jnp.int32)
+        seg_R = _count_le(ends_Q, r_R)
+        local_R = jnp.where(seg_R < ends_Q.shape[0], seg_R % n_local, n_local)
+        return recv, local_R
+
+    def backward(self, ys_RD):
+        out = jnp.zeros((self.m, ys_RD.shape[1]), ys_RD.dtype)
+        return ragged_all_to_all(
+            ys_RD,
+            out,
+            self.recv_start_P,
+            self.recv_P,
+            self.back_offsets_P,
+            self.send_P,
+            axis_name=self.axes,
+        )
