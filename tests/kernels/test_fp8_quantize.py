@@ -209,3 +209,20 @@ def test_quantization_error_on_normal_data():
     err = np.linalg.norm(dq - xs) / np.linalg.norm(xs)
     assert 0.01 < err < 0.04, err
     assert ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max == 448
+
+
+@pytest.mark.parametrize(
+    "shape,bs,dtype", [((300, 256), 128, E4M3), ((3, 40, 384), 128, E5M2), ((8, 96), 32, E4M3)]
+)
+def test_pallas_quantize_kernel_matches_reference(shape, bs, dtype):
+    # The Pallas kernel for last-axis blocks (used with the pallas_tpu backend; interpret mode
+    # here) must be bit-exact with the oracle too, including zero and non-finite blocks.
+    x = _x(shape, seed=8, dtype=jnp.bfloat16) * jnp.exp(_x(shape, seed=9, dtype=jnp.bfloat16))
+    x = x.at[(0,) * (len(shape) - 1) + (slice(0, bs),)].set(0)
+    x = x.at[(1,) * (len(shape) - 1) + (bs + 1,)].set(jnp.nan)
+    q, s = quantize(x, block_size=bs, dtype=dtype, impl="pallas")
+    q_ref, s_ref = ref.quantize_reference(np.asarray(x, np.float32), block_size=bs, dtype=dtype)
+    np.testing.assert_array_equal(np.asarray(s), s_ref)  # NaN == NaN for array_equal
+    np.testing.assert_array_equal(np.asarray(q, np.float64), q_ref)
+    with pytest.raises(ValueError, match="impl must be"):
+        quantize(x, impl="mosaic")

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moetext.kernels.fp8.quantize_pallas import quantize_minor
+
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
 _TINY = float(np.finfo(np.float32).tiny)
@@ -87,15 +89,33 @@ def _check_finite(x, op: str) -> None:
     jax.debug.callback(check, jnp.logical_not(jnp.all(jnp.isfinite(x))))
 
 
-def quantize(x, *, axis: int = -1, block_size: int = 128, dtype=E4M3, checked: bool = False):
+def quantize(
+    x,
+    *,
+    axis: int = -1,
+    block_size: int = 128,
+    dtype=E4M3,
+    checked: bool = False,
+    impl: str = "auto",
+    interpret=None,
+):
     """(qvalue, scale): absmax FP8 quantization per 1 x block_size block along `axis`.
 
     qvalue has x's shape and `dtype`; scale is float32 with x's shape except nb blocks on axis.
+    impl: "xla", "pallas" (quantize_pallas, for blocks along the last axis when it divides by
+    block_size; `interpret` as in the Pallas kernels) or "auto" (pallas on TPU where it applies).
     """
     axis = _check_args(x, axis, block_size, dtype)
+    if impl not in ("auto", "xla", "pallas"):
+        raise ValueError(f"quantize: impl must be 'auto', 'xla' or 'pallas', got {impl!r}")
     if checked:
         _check_finite(x, "quantize")
     n, bs = x.shape[axis], int(block_size)
+    if impl == "auto":
+        impl = "pallas" if jax.default_backend() == "tpu" else "xla"
+    if impl == "pallas" and axis == x.ndim - 1 and n % bs == 0:
+        # XLA on TPU relayouts a minor-dim segmented amax through a full float32 copy.
+        return quantize_minor(x, block_size=bs, dtype=dtype, interpret=interpret)
     nb = cdiv(n, bs)
     xp = _pad_to(x, {axis: nb * bs})
     xb = xp.reshape(x.shape[:axis] + (nb, bs) + x.shape[axis + 1 :])
@@ -166,11 +186,22 @@ class Quantized:
     block_size: int = dataclasses.field(metadata={"static": True})
 
     @classmethod
-    def of(cls, x, *, axis: int | None, block_size: int = 128, dtype=E4M3) -> Quantized:
+    def of(
+        cls,
+        x,
+        *,
+        axis: int | None,
+        block_size: int = 128,
+        dtype=E4M3,
+        impl="auto",
+        interpret=None,
+    ) -> Quantized:
         if axis is None:
             q, s = quantize_tiles(x, block_size=block_size, dtype=dtype)
             return cls(q, s, None, int(block_size))
-        q, s = quantize(x, axis=axis, block_size=block_size, dtype=dtype)
+        q, s = quantize(
+            x, axis=axis, block_size=block_size, dtype=dtype, impl=impl, interpret=interpret
+        )
         return cls(q, s, axis % x.ndim, int(block_size))
 
     def dequantize(self, dtype=jnp.bfloat16):

@@ -124,7 +124,17 @@ class QuantizedGmm:
 
     def _q(self, x, axis, dtype=None) -> Quantized:
         r = self.recipe
-        return Quantized.of(x, axis=axis, block_size=r.block_size, dtype=dtype or r.fwd_dtype)
+        # Native backends quantize with the Pallas kernel too (same interpret setting): XLA's
+        # TPU lowering of the last-axis block amax needs a full float32 copy of x.
+        impl = "pallas" if self.native else "xla"
+        return Quantized.of(
+            x,
+            axis=axis,
+            block_size=r.block_size,
+            dtype=dtype or r.fwd_dtype,
+            impl=impl,
+            interpret=getattr(self.backend, "interpret", None),
+        )
 
     def _q_rhs(self, rhs, contract_axis: int) -> Quantized:
         """Weights [L, *, *] blocked along `contract_axis`, or in square tiles."""
@@ -282,10 +292,8 @@ def _qgmm_bwd(static, res, dout):
     num_local = rhs_res.value.shape[0] if isinstance(rhs_res, Quantized) else rhs_res.shape[0]
     common = dict(group_offset=group_offset, tiling=tiling)
     if qb.bwd_quantize:
-        dq = functools.partial(
-            Quantized.of, block_size=qb.recipe.block_size, dtype=qb.recipe.grad_dtype
-        )
-        d = DualQuantized(dq(dout, axis=1), dq(dout, axis=0))
+        gd = qb.recipe.grad_dtype
+        d = DualQuantized(qb._q(dout, 1, gd), qb._q(dout, 0, gd))
         rq = (
             rhs_res
             if isinstance(rhs_res, Quantized)
