@@ -71,6 +71,12 @@ def _group_window(group_sizes, group_offset, i):
     return ends[gc] - group_sizes[gc], size
 
 
+def _remainder_branch(rem, tiles: tuple[int, ...]):
+    """0 if rem == 0, else b such that tiles[-b] is the smallest tile size holding rem rows."""
+    ascending = jnp.asarray(tiles[::-1][:-1])
+    return jnp.where(rem > 0, jnp.sum(ascending < rem) + 1, 0)
+
+
 def _for_each_tile(carry, start, size, tiles: tuple[int, ...], tile_fn):
     """Calls tile_fn(carry, row0, rows) for tiles covering rows [start, start + size).
 
@@ -80,13 +86,9 @@ def _for_each_tile(carry, start, size, tiles: tuple[int, ...], tile_fn):
     tm = tiles[0]
     full = size // tm
     carry = lax.fori_loop(0, full, lambda j, c: tile_fn(c, start + j * tm, tm), carry)
-    rem = size - full * tm
     row0 = start + full * tm
-    # Branch 0 skips; branch b uses tiles[-b] (ascending sizes); the first size >= rem wins.
-    ascending = tiles[::-1]
-    pick = jnp.sum(jnp.asarray(ascending[:-1]) < rem) + 1
-    branches = [lambda c: c] + [(lambda c, t=t: tile_fn(c, row0, t)) for t in ascending]
-    return lax.switch(jnp.where(rem > 0, pick, 0), branches, carry)
+    branches = [lambda c: c] + [(lambda c, t=t: tile_fn(c, row0, t)) for t in tiles[::-1]]
+    return lax.switch(_remainder_branch(size - full * tm, tiles), branches, carry)
 
 
 def _row_slice(x_MX, row0, rows: int):
@@ -159,15 +161,23 @@ def blocked_tgmm(
         start, size = _group_window(group_sizes, group_offset, i)
         end = start + size
 
-        def tile(acc_KN, row0, rows):
+        def product(row0, rows):
             s, y_TN, mask = _row_slice(rhs_MN, row0, rows)
             mask &= s + jnp.arange(rows) < end
             # Zeroing the foreign rows of one operand removes their whole contribution.
             y_TN = jnp.where(mask[:, None], y_TN, jnp.zeros((), y_TN.dtype))
             x_KT = lax.dynamic_slice_in_dim(lhs_KM, s, rows, 1)
-            return acc_KN + jnp.dot(x_KT, y_TN, preferred_element_type=acc)
+            return jnp.dot(x_KT, y_TN, preferred_element_type=acc)
 
-        acc_KN = _for_each_tile(jnp.zeros((k, n), acc), start, size, tiles, tile)
+        # The remainder tile first, so that a group of one tile (the common case at large G)
+        # writes its product straight out: no zero-filled K x N accumulator, no extra add.
+        tm = tiles[0]
+        full = size // tm
+        row_rem = start + full * tm
+        branches = [lambda: jnp.zeros((k, n), acc)]
+        branches += [(lambda t=t: product(row_rem, t)) for t in tiles[::-1]]
+        acc_KN = lax.switch(_remainder_branch(size - full * tm, tiles), branches)
+        acc_KN = lax.fori_loop(0, full, lambda j, a: a + product(start + j * tm, tm), acc_KN)
         return out_LKN.at[i].set(acc_KN.astype(pet))
 
     return lax.fori_loop(0, num_groups, group, jnp.zeros((num_groups, k, n), pet))
