@@ -199,3 +199,12 @@ def test_fp8_kernels_compile_for_tpu(topology):
     for c in (gmm_c, tgmm_c):
         text = c.as_text()
         assert "tpu_custom_call" in text and "f8e4m3fn" in text  # FP8 operands reach Mosaic
+    # The last-axis quantize kernel: no float32 copy of x (XLA's lowering needs 4 * m * k bytes);
+    # what remains is the lane-padded [m, k / 128] scale output (m * 512 bytes).
+    q_c = (
+        jax.jit(lambda x: quantize(x, impl="pallas", interpret=False))
+        .lower(sds((m, k), jnp.bfloat16))
+        .compile()
+    )
+    assert "tpu_custom_call" in q_c.as_text()
+    assert q_c.memory_analysis().temp_size_in_bytes < 2 * m * k  # under the bf16 input size
