@@ -29,6 +29,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import moetext  # noqa: E402,F401  (platform defaults before jax is imported)
+from moetext.models.flops import flops_per_token  # noqa: E402
+from moetext.train import loop  # noqa: E402
 
 GiB = 1024**3
 # HBM per chip, GiB, by the topology name's generation prefix.
@@ -61,7 +63,7 @@ _OP_RE = re.compile(
 )
 _ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _COMP_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
-_WHILE_RE = re.compile(r"\swhile\(.*body=%?([\w.\-]+)")
+_CALL_RE = re.compile(r"\b(body|condition|calls|to_apply|called_computations)=\{?%?([\w.\-]+)")
 _TRIP_RE = re.compile(r'known_trip_count"?\s*[:=]\s*\{\s*"?n"?\s*[:=]\s*"?(\d+)')
 
 
@@ -99,45 +101,70 @@ def array_bytes(shape_text: str) -> tuple[float, list[str]]:
     return total, dtypes
 
 
-def collectives(hlo_text: str) -> dict[tuple[str, str], dict[str, float]]:
-    """(op, element types) -> count and bytes per step; ops inside a while body (the layer
-    scan) count once per known trip."""
-    comp_of_line, body_trips, parents = [], {}, {}
-    current = None
-    for line in hlo_text.splitlines():
+def _call_multipliers(lines: list[str]) -> tuple[list[str | None], dict[str, int]]:
+    """Computation of each line, and how often each computation runs per step: a while body
+    runs trip-count times per run of its caller; fusions and async wrappers as often as
+    their callers."""
+    comp_of_line, current = [], None
+    body_of: dict[str | None, list[str]] = defaultdict(list)
+    for line in lines:
         m = _COMP_RE.match(line.strip())
         if m:
             current = m.group(1)
         comp_of_line.append(current)
-        w = _WHILE_RE.search(line)
-        if w:
-            t = _TRIP_RE.search(line)
-            body_trips[w.group(1)] = int(t.group(1)) if t else 1
-            parents[w.group(1)] = current
+        body_of[current].append(line)
+    callers = defaultdict(list)
+    for line, comp in zip(lines, comp_of_line, strict=True):
+        for key, callee in _CALL_RE.findall(line):
+            n = _trip_count(line, body_of) if key == "body" else 1
+            callers[callee].append((comp, n))
 
-    def multiplier(comp):
-        n, seen = 1, set()
-        while comp in body_trips and comp not in seen:
-            seen.add(comp)
-            n *= body_trips[comp]
-            comp = parents.get(comp)
-        return n
+    memo: dict[str, int] = {}
 
+    def times(comp: str | None, depth: int = 0) -> int:
+        if comp not in callers or depth > 64:
+            return 1  # ENTRY (or a computation nothing calls)
+        if comp not in memo:
+            memo[comp] = sum(times(c, depth + 1) * n for c, n in callers[comp])
+        return memo[comp]
+
+    return comp_of_line, {c: times(c) for c in set(comp_of_line) if c is not None}
+
+
+def _trip_count(while_line: str, body_of: dict) -> int:
+    """known_trip_count when XLA recorded it, else the loop bound: the one integer constant in
+    the condition computation (scan loops count from 0 while i < n)."""
+    t = _TRIP_RE.search(while_line)
+    if t:
+        return int(t.group(1))
+    cond = re.search(r"condition=%?([\w.\-]+)", while_line)
+    consts = [
+        int(c.group(1))
+        for line in body_of.get(cond.group(1) if cond else None, [])
+        if (c := re.search(r"=\s*s(?:32|64)\[\][^ ]*\s+constant\((\d+)\)", line))
+    ]
+    return consts[0] if len(consts) == 1 else 1
+
+
+def collectives(hlo_text: str) -> dict[tuple[str, str], dict[str, float]]:
+    """(op, element types) -> count and bytes per step; ops inside a while body (the layer
+    scan), or in computations it calls, count once per known trip."""
+    lines = hlo_text.splitlines()
+    comp_of_line, times = _call_multipliers(lines)
     out: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: {"count": 0, "bytes": 0.0})
-    for line, comp in zip(hlo_text.splitlines(), comp_of_line, strict=True):
+    for line, comp in zip(lines, comp_of_line, strict=True):
         m = _OP_RE.search(line)
         if not m or "-done(" in line:
             continue
         nbytes, dtypes = array_bytes(m.group("shape"))
         key = (m.group("op"), ",".join(sorted(set(dtypes))))
-        k = multiplier(comp)
+        k = times.get(comp, 1)
         out[key]["count"] += k
         out[key]["bytes"] += k * nbytes
     return dict(out)
 
 
 def compile_step(cfg, devices):
-    from moetext.train import loop
 
     b = loop.build(cfg, devices, abstract=True)
     tokens = jax.ShapeDtypeStruct(
@@ -177,7 +204,11 @@ def report(cfg, topology: str, b, compiled, lower_s: float, compile_s: float) ->
         "total_bytes": total,
         "hbm_bytes": hbm,
         "fits": total <= hbm,
-        "flops_per_chip": float(cost.get("flops", float("nan"))) if cost else float("nan"),
+        # XLA's cost analysis counts a while body once: the layer scan's FLOPs appear once.
+        "xla_flops_per_chip": float(cost.get("flops", float("nan"))) if cost else float("nan"),
+        # Model FLOPs (6N + attention, no remat recompute): what MFU is measured against.
+        "model_flops_per_chip": flops_per_token(cfg.model, cfg.moe, cfg.data.seq_len)
+        * tokens_per_chip,
         "lower_s": lower_s,
         "compile_s": compile_s,
         "collectives": [
@@ -199,7 +230,10 @@ def print_report(r: dict) -> None:
         print(f"  {key:<12}{g(r[key + '_bytes'])}")
     verdict = "fits" if r["fits"] else "DOES NOT FIT"
     print(f"  {'total':<12}{g(r['total_bytes'])} of {g(r['hbm_bytes']).strip()} HBM: {verdict}")
-    print(f"FLOPs per chip per step: {r['flops_per_chip']:.4g}")
+    print(
+        f"FLOPs per chip per step: model {r['model_flops_per_chip']:.4g} (6N + attention); "
+        f"XLA cost analysis {r['xla_flops_per_chip']:.4g} (scan body counted once)"
+    )
     print("collectives per step (ops in the layer scan counted once per layer):")
     for c in r["collectives"]:
         print(f"  {c['op']:<20}{c['dtypes']:<12}{c['count']:>6} x  {g(c['bytes'])} total")
@@ -218,7 +252,17 @@ def main(argv: list[str]) -> int:
         tpu = dataclasses.replace(cfg.kernels, gmm_backend=auto_backend_name("tpu"))
         cfg = cfg.replace(kernels=tpu)
     devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
-    b, compiled, lower_s, compile_s = compile_step(cfg, devices)
+    try:
+        b, compiled, lower_s, compile_s = compile_step(cfg, devices)
+    except jax.errors.JaxRuntimeError as e:
+        # XLA refuses to finish compiling a program whose buffers exceed HBM: that is the
+        # answer "does not fit", with XLA's own numbers.
+        if "RESOURCE_EXHAUSTED" not in str(e) and "HbmOom" not in str(e):
+            raise
+        print(f"topology {topology}: DOES NOT FIT: {str(e).splitlines()[0]}")
+        if "json" in options:
+            Path(options["json"]).write_text(json.dumps({"fits": False, "error": str(e)}))
+        return 1
     r = report(cfg, topology, b, compiled, lower_s, compile_s)
     print_report(r)
     if "json" in options:

@@ -80,7 +80,8 @@ def test_qwen3_30b_shape_compiles_for_v5p_and_reports(aot, tmp_path, monkeypatch
     )
     expect = params * 12 / 4
     assert 0.9 * expect <= r["arguments_bytes"] <= 1.1 * expect, (r["arguments_bytes"], expect)
-    assert r["temporaries_bytes"] > 0 and r["flops_per_chip"] > 0
+    assert r["temporaries_bytes"] > 0 and r["xla_flops_per_chip"] > 0
+    assert r["model_flops_per_chip"] > 0
     assert r["total_bytes"] < 95 * 1024**3  # fits a real v5p chip comfortably
     ops = {c["op"] for c in r["collectives"]}
     assert "all-gather" in ops, r["collectives"]  # FSDP gathers the sharded weights

@@ -42,10 +42,6 @@ class Plan:
     preset: Preset
     mesh: Mesh
 
-    @property
-    def rules_list(self) -> tuple:
-        return self.preset.rules
-
     def rules(self) -> contextlib.AbstractContextManager:
         """The context under which jitted functions must be traced (activation constraints)."""
         return logical.use_rules(self.mesh, self.preset.rules)
@@ -63,9 +59,6 @@ class Plan:
     @property
     def batch_sharding(self) -> NamedSharding:
         return self.sharding(BATCH_NAMES)
-
-    def batch_shards(self) -> int:
-        return _axes_size(self.mesh, self.batch_sharding.spec[0])
 
     def check_names(self, names, where: str) -> None:
         check_covered(names, self.preset, where)
