@@ -12,6 +12,7 @@ plus ~20 s for the AOT compile.
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -103,20 +104,27 @@ try:
 except ValueError as e:
     res["indivisible"] = str(e)
 
+from moetext import data as data_lib
+
 TINY = "configs/models/tiny-qwen3-moe.yml"
-BASE = ["checkpoint.enabled=false", "train.progress_bar=false"]
+BASE = ["checkpoint.enabled=false", "train.progress_bar=false", "data.seq_len=16"]
 train = {"single": ["sharding.preset=fsdp", "sharding.mesh.fsdp=1"],
          "ep2": ["sharding.preset=fsdp_ep", "sharding.mesh.expert=2"],
          "ep4": ["sharding.preset=fsdp_ep", "sharding.mesh.expert=4"]}
+params0 = None
 for name, over in train.items():
     c = config.load(TINY, BASE + over)
-    b = loop.build(c, jax.devices()[:1] if name == "single" else jax.devices())
-    from moetext import data as data_lib
+    single = name == "single"
+    # The EP runs reuse the one-device params (resharded) instead of compiling their own init.
+    b = loop.build(c, jax.devices()[:1] if single else jax.devices(), abstract=not single)
+    if single:
+        params0, rest0 = b.state.params, b.rest
+    p = jax.device_put(params0, b.state_shardings.params)
     tokens = data_lib.build(c.data, c.model.vocab_size).batch(0)
     batch = jax.make_array_from_callback(tokens.shape, b.batch_sharding, lambda i: tokens[i])
-    fn = jax.jit(lambda p, t: make_loss_fn(b.graphdef, b.rest)(p, t)[0])
-    lowered = loop.lower_checked(b, fn, b.state.params, batch)
-    res["train"][name] = {"loss": float(lowered.compile()(b.state.params, batch)),
+    fn = jax.jit(lambda p, t: make_loss_fn(b.graphdef, rest0)(p, t)[0])
+    lowered = loop.lower_checked(b, fn, p, batch)
+    res["train"][name] = {"loss": float(lowered.compile()(p, batch)),
                           "mesh": dict(b.mesh.shape), "all_to_all": "all_to_all" in
                           lowered.as_text()}
 print("RESULT " + json.dumps(res))
@@ -188,3 +196,64 @@ def test_fsdp_ep_train_loss_matches_single_device(results, name):
     assert r["mesh"]["expert"] == int(name[2:]) and r["all_to_all"]
     # Same f32 rounding argument as the block (plus the sharded attention): 2e-6 relative.
     assert abs(r["loss"] - ref["loss"]) <= 2e-6 * abs(ref["loss"]), (r["loss"], ref["loss"])
+
+
+@pytest.mark.tpu_aot
+def test_ragged_exchange_compiles_for_tpu():
+    # Forward + backward of the EP block (bf16, pallas_tpu gmm) for a v5p:2x2x1 topology
+    # (4 chips: fsdp=2 x expert=2, so the weight all-gather runs too); libtpu, no TPU needed.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from moetext.config.schema import KernelsConfig, MoEConfig
+    from moetext.models.moe import MoEBlock, ep
+    from moetext.sharding import logical
+    from moetext.sharding.rules import load_preset
+
+    devices = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices
+    mesh = Mesh(np.array(devices).reshape(1, 2, 2, 1), ("data", "fsdp", "expert", "tensor"))
+    rules = load_preset("fsdp_ep").rules
+    cfg = MoEConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256)
+    block = nnx.eval_shape(
+        lambda: MoEBlock(
+            cfg,
+            KernelsConfig(gmm_backend="pallas_tpu"),
+            emb_dim=128,
+            init_std=0.02,
+            param_dtype=jnp.float32,
+            dtype=jnp.bfloat16,
+            rngs=nnx.Rngs(params=0),
+        )
+    )
+    graphdef, params = nnx.split(block)
+    names = {"w_gate": ep.W_IN_NAMES, "w_up": ep.W_IN_NAMES, "w_down": ep.W_OUT_NAMES}
+
+    def abstract(path, v):
+        keys = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
+        hit = [names[k] for k in keys if k in names]
+        spec = logical.logical_to_mesh_spec(hit[0], rules, mesh.axis_names) if hit else None
+        sharding = NamedSharding(mesh, spec or PartitionSpec())
+        return jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
+
+    params = jax.tree_util.tree_map_with_path(abstract, params)
+    batch = PartitionSpec(("data", "fsdp", "expert"))
+    x = jax.ShapeDtypeStruct((8, 64, 128), jnp.bfloat16, sharding=NamedSharding(mesh, batch))
+
+    def loss(params, x):
+        y, aux = nnx.merge(graphdef, params)(x)
+        return jnp.sum(y.astype(jnp.float32)) + aux["moe_loss"]
+
+    w_gate = params["experts"]["w_gate"]
+    assert w_gate.sharding.spec == PartitionSpec("expert", "fsdp", None), w_gate.sharding
+    assert ep.exchange_for(mesh) == "ragged"
+    with logical.use_rules(mesh, rules):
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x)
+    hlo = lowered.compile().as_text()
+    # Two exchanges forward and their two transposes backward (TPU makes them async).
+    count = len(re.findall(r"ragged-all-to-all(?:-start)?\(", hlo))
+    assert count >= 4, count

@@ -1,4 +1,4 @@
-"""Expert parallelism (EP): the dropless dispatch inside `jax.shard_map`, tokens moved by all-to-all.
+"""Expert parallelism (EP): the dropless dispatch in `jax.shard_map`, tokens moved by all-to-all.
 
 Legend: T tokens (global), t local tokens, K experts per token, m = t*K local assignment rows,
 D emb_dim, F moe_intermediate_size, E experts, P expert-parallel shards, L = E/P experts per
