@@ -5,7 +5,8 @@ backend = QuantizedGmm(get_backend("auto"), Fp8Recipe())
 out = gmm(lhs, rhs, group_sizes, backend=backend)    # FP8 forward and backward
 """
 
-from moetext.kernels.fp8.pallas_fp8 import gmm_fp8, tgmm_fp8
+from moetext.kernels.fp8.pallas_fp8 import gmm_fp8
+from moetext.kernels.fp8.pallas_tgmm_fp8 import tgmm_fp8
 from moetext.kernels.fp8.quantize import (
     DualQuantized,
     Quantized,

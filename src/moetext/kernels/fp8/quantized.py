@@ -24,7 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moetext.kernels.fp8 import pallas_fp8
+from moetext.kernels.fp8 import pallas_fp8, pallas_tgmm_fp8
 from moetext.kernels.fp8.quantize import DualQuantized, Quantized
 from moetext.kernels.fp8.recipe import Fp8Recipe
 from moetext.kernels.gmm.backend import GmmBackend
@@ -68,7 +68,7 @@ def _native_pallas_gmm(backend, lq, rq, group_sizes, *, transpose_rhs, group_off
 
 
 def _native_pallas_tgmm(backend, lq, rq, group_sizes, *, num_groups, group_offset, tiling, pet):
-    return pallas_fp8.tgmm_fp8(
+    return pallas_tgmm_fp8.tgmm_fp8(
         lq.value,
         lq.scale,
         rq.value,
