@@ -51,15 +51,19 @@ def test_sharded_step_matches_single_device(results, name):
     r = results[name]
     # The tiny config computes in f32; sharding only changes the order of reductions (partial
     # sums per device, then across devices), so results agree to f32 rounding. Measured on
-    # 8 CPU devices: loss 3e-7 relative (4 ulps), gradients <= 1.1e-6 of each tensor's largest
-    # entry, step losses 3e-7, params after 3 AdamW steps 1e-6. Bounds: ~5-10x those.
-    assert r["loss_rel"] <= 2e-6, r["loss_rel"]
+    # 8 CPU devices (1 layer): loss <= 8e-8 relative, gradients <= 1.2e-6 of each tensor's
+    # largest entry, step losses <= 3e-7 relative. Bounds: ~10x those.
+    assert r["loss_rel"] <= 1e-6, r["loss_rel"]
     assert r["grad_rel"] <= 1e-5, r["grad_rel"]
-    # Three real train steps (AdamW): losses and updated params track the one-device run.
+    # Three real train steps (AdamW): losses track the one-device run.
     ref = results["single"]["step_losses"]
     for a, b in zip(r["step_losses"], ref, strict=True):
         assert abs(a - b) <= 2e-6 * abs(b), (r["step_losses"], ref)
-    assert r["param_rel"] <= 1e-5, r["param_rel"]
+    # Params after the steps: Adam divides by sqrt(v) + eps, so for gradient entries near
+    # eps = 1e-8 a rounding-level difference in g moves the update by a fraction of the
+    # learning rate (<= 6e-4 in these steps). Measured: <= 1.3e-5 of the largest param
+    # (norm scales, 1.0); a wrong sharding moves params by O(lr) and fails 1e-4.
+    assert r["param_rel"] <= 1e-4, r["param_rel"]
 
 
 def test_param_specs_follow_each_preset(results):
