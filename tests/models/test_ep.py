@@ -92,7 +92,9 @@ for name, shape in settings.items():
 CALLS = []
 ep.ragged_all_to_all = emulated_ragged_all_to_all
 exchange_for, ep.exchange_for = ep.exchange_for, lambda mesh: "ragged"
-with logical.use_rules(Mesh(np.array(jax.devices()).reshape(1, 2, 4, 1), AXES), RULES):
+# Experts split over two mesh axes at once (exp -> [expert, fsdp], P = 4, data = 2 beside).
+TWO_AXES = [("exp", ("expert", "fsdp")) if r[0] == "exp" else r for r in RULES]
+with logical.use_rules(Mesh(np.array(jax.devices()).reshape(2, 2, 2, 1), AXES), TWO_AXES):
     got, _ = run_block()
 res["block"]["ep4_ragged"] = {"rel": max_rel(got, ref), "calls": len(CALLS)}
 ep.exchange_for = exchange_for
@@ -173,7 +175,8 @@ def test_ep_block_matches_single_shard(results, name):
 
 
 def test_ragged_exchange_offsets_match_single_shard(results):
-    # The TPU exchange's offsets and sizes, with the collective emulated (forward + reverse).
+    # The TPU exchange's offsets and sizes, with the collective emulated (forward + reverse),
+    # experts split over two mesh axes (shard index and chunk order must agree across both).
     r = results["block"]["ep4_ragged"]
     assert r["calls"] >= 2
     bad = {k: v for k, v in r["rel"].items() if not v <= REL_TOL}
