@@ -13,6 +13,7 @@ from moetext.config.schema import (
     CheckpointConfig,
     Config,
     DataConfig,
+    DistributedConfig,
     KernelsConfig,
     ModelConfig,
     MoEConfig,
@@ -22,7 +23,21 @@ from moetext.config.schema import (
 )
 
 __all__ = [
-    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "KernelsConfig", "ModelConfig",
-    "MoEConfig", "OptimConfig", "ShardingConfig", "TrainConfig", "from_dict", "load", "save",
-    "to_dict", "validate", "validate_for_devices",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "DistributedConfig",
+    "KernelsConfig",
+    "ModelConfig",
+    "MoEConfig",
+    "OptimConfig",
+    "ShardingConfig",
+    "TrainConfig",
+    "from_dict",
+    "load",
+    "save",
+    "to_dict",
+    "validate",
+    "validate_for_devices",
 ]
