@@ -13,10 +13,10 @@ import argparse
 import json
 import time
 
-import moetext  # noqa: F401  (platform defaults before jax)
 import jax
 import numpy as np
 
+import moetext  # noqa: F401  (platform defaults before jax)
 from moetext import config as config_lib
 from moetext import data as data_lib
 from moetext.models.flops import flops_per_token
@@ -60,13 +60,20 @@ def main() -> None:
     fpt = flops_per_token(cfg.model, cfg.moe, cfg.data.seq_len)
     n = jax.device_count()
     result = {
-        "config": args.config, "overrides": args.overrides, "backend": cfg.kernels.gmm_backend,
-        "devices": n, "platform": jax.default_backend(), "tokens_per_step": tokens,
-        "compile_s": compile_s, "step_time_s_median": dt,
-        "step_time_s_min": float(np.min(times)), "tokens_per_s": tokens / dt,
+        "config": args.config,
+        "overrides": args.overrides,
+        "backend": cfg.kernels.gmm_backend,
+        "devices": n,
+        "platform": jax.default_backend(),
+        "tokens_per_step": tokens,
+        "compile_s": compile_s,
+        "step_time_s_median": dt,
+        "step_time_s_min": float(np.min(times)),
+        "tokens_per_s": tokens / dt,
         "model_tflops_per_s": fpt * tokens / dt / 1e12,
         "dense_bf16_peak_tflops_per_device": peak / 1e12,
-        "mfu": fpt * tokens / dt / (peak * n), "flops_per_token": fpt,
+        "mfu": fpt * tokens / dt / (peak * n),
+        "flops_per_token": fpt,
         "final_loss": float(m["loss"]),
     }
     for k, v in result.items():

@@ -1,6 +1,6 @@
 """Writes docs/config.md from the field docstrings in src/moetext/config/schema.py.
 
-    .venv/bin/python scripts/gen_config_docs.py        # tests check the file is current
+.venv/bin/python scripts/gen_config_docs.py        # tests check the file is current
 """
 
 from __future__ import annotations

@@ -38,14 +38,22 @@ def main(argv: list[str] | None = None) -> int:
     initialize_distributed(cfg.distributed)
 
     if jax.process_index() == 0:
-        print(f"moetext: {cfg.model.family} on {jax.device_count()} {jax.default_backend()} "
-              f"device(s); run dir {cfg.train.run_dir}", flush=True)
+        print(
+            f"moetext: {cfg.model.family} on {jax.device_count()} {jax.default_backend()} "
+            f"device(s); run dir {cfg.train.run_dir}",
+            flush=True,
+        )
     try:
         last = train.run(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     if jax.process_index() == 0:
-        print("done: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                  for k, v in last.items()), flush=True)
+        print(
+            "done: "
+            + " ".join(
+                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in last.items()
+            ),
+            flush=True,
+        )
     return 0

@@ -9,7 +9,9 @@ from moetext.config import OptimConfig
 
 
 def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
-    decay = cfg.decay_steps if cfg.decay_steps is not None else max(total_steps - cfg.warmup_steps, 1)
+    decay = (
+        cfg.decay_steps if cfg.decay_steps is not None else max(total_steps - cfg.warmup_steps, 1)
+    )
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=cfg.learning_rate,
@@ -30,8 +32,12 @@ def build(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
         parts.append(optax.clip_by_global_norm(cfg.clip_norm))
     parts.append(
         optax.adamw(
-            schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-            weight_decay=cfg.weight_decay, mask=decay_mask,
+            schedule(cfg, total_steps),
+            b1=cfg.b1,
+            b2=cfg.b2,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            mask=decay_mask,
         )
     )
     return optax.chain(*parts)

@@ -22,13 +22,24 @@ def test_every_shipped_config_loads(path):
 def test_real_qwen3_shapes():
     a = config.load(REPO / "configs/models/qwen3-30b-a3b.yml")
     assert (a.model.num_layers, a.model.emb_dim, a.model.num_heads, a.model.num_kv_heads) == (
-        48, 2048, 32, 4)
+        48,
+        2048,
+        32,
+        4,
+    )
     assert (a.moe.num_experts, a.moe.num_experts_per_tok, a.moe.moe_intermediate_size) == (
-        128, 8, 768)
+        128,
+        8,
+        768,
+    )
     assert a.model.vocab_size == 151936 and a.model.rope_theta == 1e7
     b = config.load(REPO / "configs/models/qwen3-235b-a22b.yml")
-    assert (b.model.num_layers, b.model.emb_dim, b.model.num_heads, b.moe.moe_intermediate_size) == (
-        94, 4096, 64, 1536)
+    assert (
+        b.model.num_layers,
+        b.model.emb_dim,
+        b.model.num_heads,
+        b.moe.moe_intermediate_size,
+    ) == (94, 4096, 64, 1536)
     assert b.model.rope_theta == 5e6 and b.model.rms_norm_eps == 1e-6
     for c in (a, b):
         assert c.model.qk_norm and c.moe.norm_topk_prob and c.model.head_dim == 128
@@ -36,16 +47,27 @@ def test_real_qwen3_shapes():
 
 def test_bench_tiny_moe_shape():
     c = config.load(REPO / "configs/models/bench-tiny-moe.yml")
-    got = (c.model.num_layers, c.model.emb_dim, c.model.num_heads, c.model.num_kv_heads,
-           c.model.head_dim, c.moe.num_experts, c.moe.num_experts_per_tok,
-           c.moe.moe_intermediate_size, c.model.vocab_size, c.data.seq_len,
-           c.data.global_batch_size)
+    got = (
+        c.model.num_layers,
+        c.model.emb_dim,
+        c.model.num_heads,
+        c.model.num_kv_heads,
+        c.model.head_dim,
+        c.moe.num_experts,
+        c.moe.num_experts_per_tok,
+        c.moe.moe_intermediate_size,
+        c.model.vocab_size,
+        c.data.seq_len,
+        c.data.global_batch_size,
+    )
     assert got == (2, 256, 4, 2, 64, 8, 2, 512, 32000, 256, 4)
     assert c.model.qk_norm and c.moe.norm_topk_prob and c.data.kind == "synthetic"
 
 
 def test_inheritance_child_overrides_base(tmp_path):
-    (tmp_path / "base.yml").write_text("model:\n  emb_dim: 96\n  num_layers: 3\ntrain:\n  steps: 7\n")
+    (tmp_path / "base.yml").write_text(
+        "model:\n  emb_dim: 96\n  num_layers: 3\ntrain:\n  steps: 7\n"
+    )
     (tmp_path / "child.yml").write_text("base_config: base.yml\nmodel:\n  num_layers: 5\n")
     cfg = config.load(tmp_path / "child.yml")
     assert (cfg.model.emb_dim, cfg.model.num_layers, cfg.train.steps) == (96, 5, 7)
@@ -59,11 +81,20 @@ def test_base_config_cycle_is_an_error(tmp_path):
 
 
 def test_overrides_are_typed():
-    cfg = config.load(TINY, [
-        "train.steps=3", "optim.learning_rate=1e-3", "train.run_dir=/tmp/x",
-        "kernels.gmm_backend=ragged_dot", "model.qk_norm=false", "train.log_every=2",
-        "model.mlp_only_layers=[0]", "optim.clip_norm=null", "train.peak_tflops=1",
-    ])
+    cfg = config.load(
+        TINY,
+        [
+            "train.steps=3",
+            "optim.learning_rate=1e-3",
+            "train.run_dir=/tmp/x",
+            "kernels.gmm_backend=ragged_dot",
+            "model.qk_norm=false",
+            "train.log_every=2",
+            "model.mlp_only_layers=[0]",
+            "optim.clip_norm=null",
+            "train.peak_tflops=1",
+        ],
+    )
     assert cfg.train.steps == 3 and isinstance(cfg.train.steps, int)
     assert cfg.optim.learning_rate == 1e-3 and isinstance(cfg.optim.learning_rate, float)
     assert cfg.train.run_dir == "/tmp/x" and cfg.kernels.gmm_backend == "ragged_dot"
@@ -80,7 +111,7 @@ def test_config_is_frozen():
 def test_unknown_key_names_the_near_miss(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown config key 'train.stepz'.*'train.steps'"):
         config.load(TINY, ["train.stepz=3"])
-    (tmp_path / "bad.yml").write_text("base_config: %s\nmoe:\n  num_expert: 4\n" % TINY)
+    (tmp_path / "bad.yml").write_text(f"base_config: {TINY}\nmoe:\n  num_expert: 4\n")
     with pytest.raises(ConfigError, match=r"'moe.num_expert'.*did you mean 'moe.num_experts'"):
         config.load(tmp_path / "bad.yml")
     with pytest.raises(ConfigError, match="unknown config key 'modle'.*'model'"):
@@ -92,7 +123,9 @@ def test_wrong_type_names_key_type_and_value():
         config.load(TINY, ["train.steps=many"])
     with pytest.raises(ConfigError, match=r"'model.qk_norm': expected bool, got 3"):
         config.load(TINY, ["model.qk_norm=3"])
-    with pytest.raises(ConfigError, match=r"'moe.dispatch': expected one of \['dropless', 'capacity'\]"):
+    with pytest.raises(
+        ConfigError, match=r"'moe.dispatch': expected one of \['dropless', 'capacity'\]"
+    ):
         config.load(TINY, ["moe.dispatch=sorted"])
 
 

@@ -22,8 +22,16 @@ def _losses(run_dir) -> dict[int, float]:
 
 
 def test_tiny_config_trains_and_loss_falls(tmp_path):
-    cfg = config.load(TINY, [*QUIET, f"train.run_dir={tmp_path}", "train.steps=60",
-                             "train.log_every=5", "checkpoint.enabled=false"])
+    cfg = config.load(
+        TINY,
+        [
+            *QUIET,
+            f"train.run_dir={tmp_path}",
+            "train.steps=60",
+            "train.log_every=5",
+            "checkpoint.enabled=false",
+        ],
+    )
     last = train.run(cfg)
     losses = _losses(tmp_path)
     first = losses[5]
@@ -41,8 +49,13 @@ def test_tiny_config_trains_and_loss_falls(tmp_path):
 
 
 def test_resume_gives_identical_losses(tmp_path):
-    common = [*QUIET, "train.log_every=1", "checkpoint.every=10", "checkpoint.async_save=true",
-              "train.steps=20"]
+    common = [
+        *QUIET,
+        "train.log_every=1",
+        "checkpoint.every=10",
+        "checkpoint.async_save=true",
+        "train.steps=20",
+    ]
     straight = tmp_path / "straight"
     train.run(config.load(TINY, [*common, f"train.run_dir={straight}", "checkpoint.enabled=false"]))
     resumed = tmp_path / "resumed"
@@ -85,8 +98,17 @@ def _run_until(cfg, stop_after: int):
 
 def test_cli_end_to_end(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    cmd = [sys.executable, "-m", "train", str(TINY), "train.steps=4", "train.log_every=2",
-           f"train.run_dir={tmp_path}", "train.progress_bar=false", "checkpoint.every=2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "train",
+        str(TINY),
+        "train.steps=4",
+        "train.log_every=2",
+        f"train.run_dir={tmp_path}",
+        "train.progress_bar=false",
+        "checkpoint.every=2",
+    ]
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "done:" in out.stdout

@@ -63,13 +63,19 @@ def validate(cfg: Config) -> None:
     """Cross-field checks that need no devices."""
     m, moe, d = cfg.model, cfg.moe, cfg.data
     for name, value in [
-        ("model.vocab_size", m.vocab_size), ("model.emb_dim", m.emb_dim),
-        ("model.num_layers", m.num_layers), ("model.num_heads", m.num_heads),
-        ("model.num_kv_heads", m.num_kv_heads), ("model.head_dim", m.head_dim),
-        ("moe.num_experts", moe.num_experts), ("moe.num_experts_per_tok", moe.num_experts_per_tok),
+        ("model.vocab_size", m.vocab_size),
+        ("model.emb_dim", m.emb_dim),
+        ("model.num_layers", m.num_layers),
+        ("model.num_heads", m.num_heads),
+        ("model.num_kv_heads", m.num_kv_heads),
+        ("model.head_dim", m.head_dim),
+        ("moe.num_experts", moe.num_experts),
+        ("moe.num_experts_per_tok", moe.num_experts_per_tok),
         ("moe.moe_intermediate_size", moe.moe_intermediate_size),
-        ("data.seq_len", d.seq_len), ("data.global_batch_size", d.global_batch_size),
-        ("train.log_every", cfg.train.log_every), ("checkpoint.every", cfg.checkpoint.every),
+        ("data.seq_len", d.seq_len),
+        ("data.global_batch_size", d.global_batch_size),
+        ("train.log_every", cfg.train.log_every),
+        ("checkpoint.every", cfg.checkpoint.every),
         ("model.decoder_sparse_step", m.decoder_sparse_step),
     ]:
         if value <= 0:
@@ -219,8 +225,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
 
     def fail():
         raise ConfigError(
-            f"config key {key!r}: expected {_type_name(tp)}, got {value!r} "
-            f"({type(value).__name__})"
+            f"config key {key!r}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})"
         )
 
     if dataclasses.is_dataclass(tp):

@@ -46,7 +46,7 @@ class ModelConfig:
     scan_layers: bool = False
     """Run the layer stack with nnx.scan over stacked params (fast compile for deep models)."""
     remat_policy: Literal["none", "full", "save_dots"] = "none"
-    """Activation checkpointing per layer: none, full (recompute all), save_dots (keep matmul outputs)."""
+    """Per-layer activation checkpointing: none, full (recompute all), save_dots (keep matmuls)."""
     decoder_sparse_step: int = 1
     """Layer i is MoE when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers."""
     mlp_only_layers: tuple[int, ...] = ()
@@ -66,7 +66,7 @@ class MoEConfig:
     norm_topk_prob: bool = True
     """Renormalise the top-k routing weights to sum to one (Qwen3)."""
     num_shared_experts: int = 0
-    """Number of always-on shared experts (fused into one SwiGLU of width n * shared_intermediate_size)."""
+    """Always-on shared experts (fused into one SwiGLU of width n * shared_intermediate_size)."""
     shared_intermediate_size: int = 0
     """Intermediate size of each shared expert (0 means moe_intermediate_size)."""
     aux_loss_weight: float = 0.001
@@ -74,7 +74,7 @@ class MoEConfig:
     z_loss_weight: float = 0.0
     """Weight of the router z-loss mean(logsumexp(logits)^2); 0 disables it."""
     dispatch: Literal["dropless", "capacity"] = "dropless"
-    """dropless: sort-based grouped matmul; capacity: fixed per-expert buffers that drop overflow."""
+    """dropless: sort-based grouped matmul; capacity: fixed per-expert buffers (drop overflow)."""
     capacity_factor: float = 1.25
     """Capacity dispatch only: slots per expert = ceil(capacity_factor * T * K / E)."""
 
@@ -82,7 +82,7 @@ class MoEConfig:
 @dataclass(frozen=True)
 class KernelsConfig:
     gmm_backend: str = "auto"
-    """Grouped-matmul backend name (see `moetext.kernels.gmm.available_backends()`); auto picks by platform."""
+    """Grouped-matmul backend (`moetext.kernels.gmm.available_backends()`); auto: by platform."""
     checked: bool = False
     """Verify at run time that group sizes are non-negative and sum to at most M (debug)."""
     tiling: tuple[int, int, int] | None = None

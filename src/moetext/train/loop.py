@@ -41,9 +41,7 @@ class Built:
     state_shardings: Any  # TrainState of NamedShardings (out_shardings of every step)
 
 
-def build(
-    cfg: Config, devices: list[jax.Device] | None = None, *, abstract: bool = False
-) -> Built:
+def build(cfg: Config, devices: list[jax.Device] | None = None, *, abstract: bool = False) -> Built:
     """Mesh and rules from cfg.sharding; the train state created already sharded by them.
 
     abstract=True creates nothing: state and rest are ShapeDtypeStructs carrying their shardings
@@ -69,19 +67,34 @@ def build(
     if abstract:
         state, rest = jax.tree.map(
             lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-            abstract_tree, shardings,
+            abstract_tree,
+            shardings,
         )
     else:
         state, rest = jax.jit(create, out_shardings=shardings)()
-    return Built(cfg, plan.mesh, graphdef, rest, state, tx, lr_schedule, plan.batch_sharding,
-                 plan, shardings[0])
+    return Built(
+        cfg,
+        plan.mesh,
+        graphdef,
+        rest,
+        state,
+        tx,
+        lr_schedule,
+        plan.batch_sharding,
+        plan,
+        shardings[0],
+    )
 
 
 def jit_train_step(b: Built):
     """The train step with the plan's shardings pinned on both sides (state donated)."""
     step = make_train_step(b.graphdef, b.rest, b.tx, b.lr_schedule)
-    return jax.jit(step, in_shardings=(b.state_shardings, b.batch_sharding),
-                   out_shardings=(b.state_shardings, b.plan.replicated), donate_argnums=0)
+    return jax.jit(
+        step,
+        in_shardings=(b.state_shardings, b.batch_sharding),
+        out_shardings=(b.state_shardings, b.plan.replicated),
+        donate_argnums=0,
+    )
 
 
 def lower_checked(b: Built, jitted, *args):
@@ -97,7 +110,7 @@ def create_model(cfg: Config) -> nnx.Module:
 
 
 def run(cfg: Config) -> dict[str, Any]:
-    """Trains up to cfg.train.steps (resuming when a checkpoint exists); returns the last metrics."""
+    """Trains to cfg.train.steps, resuming from the newest checkpoint; returns the last metrics."""
     run_dir = cfg.train.run_dir
     os.makedirs(run_dir, exist_ok=True)
     if jax.process_index() == 0:
@@ -109,12 +122,16 @@ def run(cfg: Config) -> dict[str, Any]:
     start = int(state.step)
 
     train_step = jit_train_step(b)
-    eval_step = jax.jit(make_eval_step(b.graphdef, b.rest),
-                        in_shardings=(b.state_shardings.params, b.batch_sharding))
+    eval_step = jax.jit(
+        make_eval_step(b.graphdef, b.rest),
+        in_shardings=(b.state_shardings.params, b.batch_sharding),
+    )
     put = lambda tokens: _put_batch(tokens, b.batch_sharding)
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
     fpt = flops_per_token(cfg.model, cfg.moe, cfg.data.seq_len)
-    peak = cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops else metrics_lib.measured_peak_flops()
+    peak = (
+        cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops else metrics_lib.measured_peak_flops()
+    )
 
     log = metrics_lib.MetricsLog(run_dir, cfg.train.steps, start, cfg.train.progress_bar)
     last: dict[str, Any] = {"step": start}
@@ -135,13 +152,18 @@ def run(cfg: Config) -> dict[str, Any]:
                 m = jax.device_get(m)  # waits for the step: the interval below is real time
                 dt = (time.perf_counter() - t_last) / steps_since
                 tps = tokens_per_step / dt
-                last = {"step": done, **{k: float(v) for k, v in m.items()},
-                        "step_time_s": dt, "tokens_per_s": tps,
-                        "mfu": metrics_lib.mfu(fpt, tps, peak, jax.device_count())}
+                last = {
+                    "step": done,
+                    **{k: float(v) for k, v in m.items()},
+                    "step_time_s": dt,
+                    "tokens_per_s": tps,
+                    "mfu": metrics_lib.mfu(fpt, tps, peak, jax.device_count()),
+                }
                 if cfg.train.eval_every and done % cfg.train.eval_every == 0:
                     with b.plan.rules():  # eval traces on its first call
-                        last.update(_evaluate(eval_step, state.params, data, put,
-                                              cfg.data.eval_batches))
+                        last.update(
+                            _evaluate(eval_step, state.params, data, put, cfg.data.eval_batches)
+                        )
                 log.write(last)
                 t_last, steps_since = time.perf_counter(), 0
             if ckpt and (done % cfg.checkpoint.every == 0 or done == cfg.train.steps):

@@ -46,8 +46,12 @@ class MetricsLog:
             from tqdm import tqdm
 
             self._bar = tqdm(
-                total=total_steps, initial=start_step, desc="train", unit="step",
-                dynamic_ncols=True, file=sys.stderr,
+                total=total_steps,
+                initial=start_step,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
             )
 
     def advance(self, n: int = 1) -> None:
