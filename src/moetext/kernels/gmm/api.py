@@ -5,6 +5,9 @@ expert-parallel shard, serving groups [group_offset, group_offset + G_local)).
 
 The custom_vjp is written once over the backend protocol:
   dlhs = gmm(dout, rhs, transpose_rhs flipped), drhs = tgmm(lhs, dout).
+A backend that must own its autodiff (fp8.QuantizedGmm keeps FP8 residuals, not the inputs)
+defines `differentiable_gmm` / `differentiable_tgmm` with the protocol's gmm / tgmm signature;
+gmm() / tgmm() then call those instead of wrapping the backend in this custom_vjp.
 """
 
 from __future__ import annotations
@@ -60,7 +63,15 @@ def gmm(
     if checked:
         _runtime_check(group_sizes, m)
     pet = jnp.dtype(preferred_element_type or lhs.dtype)
-    out = _gmm(be, pet, transpose_rhs, _resolve(tiling), lhs, rhs, group_sizes, group_offset)
+    tiling = _resolve(tiling)
+    own = getattr(be, "differentiable_gmm", None)  # a backend that owns its autodiff (FP8)
+    if own is not None:
+        out = own(
+            lhs, rhs, group_sizes, preferred_element_type=pet, transpose_rhs=transpose_rhs,
+            group_offset=group_offset, tiling=tiling,
+        )
+    else:
+        out = _gmm(be, pet, transpose_rhs, tiling, lhs, rhs, group_sizes, group_offset)
     if existing_out is not None:
         mine = local_row_mask(group_sizes, group_offset, g_local, m)
         out = jnp.where(mine[:, None], out, existing_out.astype(out.dtype))
@@ -95,7 +106,14 @@ def tgmm(
     if checked:
         _runtime_check(group_sizes, m)
     pet = jnp.dtype(preferred_element_type or lhs.dtype)
-    return _tgmm(be, pet, num_groups, _resolve(tiling), lhs, rhs, group_sizes, group_offset)
+    tiling = _resolve(tiling)
+    own = getattr(be, "differentiable_tgmm", None)
+    if own is not None:
+        return own(
+            lhs, rhs, group_sizes, num_groups=num_groups, preferred_element_type=pet,
+            group_offset=group_offset, tiling=tiling,
+        )
+    return _tgmm(be, pet, num_groups, tiling, lhs, rhs, group_sizes, group_offset)
 
 
 def local_row_mask(group_sizes, group_offset, num_local: int, m: int) -> jax.Array:
