@@ -264,3 +264,29 @@ def test_fp8_training_gradient_compiles_for_tpu(topology):
     text = compiled.as_text()
     assert text.count("tpu_custom_call") >= 3  # fwd gmm_fp8, bwd gmm_fp8 and tgmm_fp8
     assert "f8e4m3fn" in text
+
+
+def test_public_gmm_and_tgmm_route_through_the_fp8_autodiff():
+    # gmm.gmm / gmm.tgmm call a backend's differentiable_gmm / differentiable_tgmm when it has
+    # them (the api seam), so the public API keeps FP8 residuals and the FP8 backward.
+    from moetext.kernels.gmm import gmm, tgmm
+
+    qb = QuantizedGmm(get_backend("ragged_dot"), Fp8Recipe(bwd_quantize=True))
+    x, w, dy = _data((M, K), 20), _data((L, K, N), 21), _data((M, N), 22)
+    gs = jnp.asarray(SIZES, jnp.int32)
+    f = lambda x, w: gmm(
+        x, w, gs, backend=qb, group_offset=OFFSET, preferred_element_type=jnp.float32
+    )
+    out, vjp = jax.vjp(f, x, w)
+    for got, exp in zip((out, *vjp(dy)), _grad_oracle(x, w, dy, False), strict=True):
+        _close(got, exp)
+    assert "float8_e4m3fn" in {jnp.dtype(r.dtype).name for r in jax.tree_util.tree_leaves(vjp)}
+    d = _data((M, N), 23)
+    out_t, vjp_t = jax.vjp(
+        lambda x: tgmm(x, d, gs, num_groups=L, backend=qb, group_offset=OFFSET), x
+    )
+    _close(
+        out_t,
+        ref.tgmm_fp8_reference(*_q(x, 0), *_q(d, 0), SIZES, num_groups=L, group_offset=OFFSET),
+    )
+    assert {jnp.dtype(r.dtype).name for r in jax.tree_util.tree_leaves(vjp_t)} >= {"float8_e4m3fn"}
