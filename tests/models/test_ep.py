@@ -1,4 +1,5 @@
-"""Expert parallelism (models/moe/ep.py): EP = 2/4/8 equals the single-shard block.
+"""Sharded MoE dispatch (models/moe/ep.py): EP = 2/4/8, and tokens sharded without EP (P = 1),
+equal the single-shard block.
 
 The checks need 8 devices, fixed when jax initialises, so they run in a fresh interpreter
 (WORKER below, XLA_FLAGS=--xla_force_host_platform_device_count=8) that prints one JSON line.
@@ -6,7 +7,8 @@ The TPU exchange (ragged_all_to_all) has no XLA:CPU lowering: its offset arithme
 on CPU against an emulation of the collective built from all_gather, and the real collective
 is compiled ahead of time for a v5p topology (tpu_aot).
 
-Budget: ~1.5 min on 2 shared cores (one subprocess: 4 block settings + 3 train-loss compiles),
+Budget: ~2 min on 2 cores (one subprocess: 7 block settings + 4 train-loss compiles; measured
+5 min with a TPU AOT compile sharing the cores),
 plus ~20 s for the AOT compile.
 """
 
@@ -89,6 +91,22 @@ for name, shape in settings.items():
     res["block"][name] = {"rel": max_rel(got, ref), "all_to_all": "all_to_all" in text,
                           "dropped": float(got["dropped_fraction"])}
 
+# No expert parallelism (P = 1), tokens sharded: per-shard sort against the gathered weights.
+for name, preset, shape in (("fsdp4", "fsdp", (1, 4, 1, 1)), ("data2", "fsdp", (2, 1, 1, 1)),
+                            ("fsdp_ep_exp1", "fsdp_ep", (2, 2, 1, 1))):
+    mesh = Mesh(np.array(jax.devices()[:4 if shape[1] > 1 else 2]).reshape(shape), AXES)
+    rules = load_preset(preset).rules
+    with logical.use_rules(mesh, rules):
+        layout = ep.layout_from_context(cfg.num_experts)
+        got, text = run_block()
+    res["block"][name] = {"rel": max_rel(got, ref), "all_to_all": "all_to_all" in text,
+                          "shards": layout.num_shards, "token_axes": list(layout.token_axes),
+                          "manual": "sdy.manual_computation" in text or "shard_map" in text}
+# A rules context on one device keeps the plain single-shard path.
+with logical.use_rules(Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1), AXES),
+                       load_preset("fsdp").rules):
+    res["block"]["one_device_layout"] = repr(ep.layout_from_context(cfg.num_experts))
+
 CALLS = []
 ep.ragged_all_to_all = emulated_ragged_all_to_all
 exchange_for, ep.exchange_for = ep.exchange_for, lambda mesh: "ragged"
@@ -111,6 +129,7 @@ from moetext import data as data_lib
 TINY = "configs/models/tiny-qwen3-moe.yml"
 BASE = ["checkpoint.enabled=false", "train.progress_bar=false", "data.seq_len=16"]
 train = {"single": ["sharding.preset=fsdp", "sharding.mesh.fsdp=1"],
+         "fsdp8": ["sharding.preset=fsdp"],
          "ep2": ["sharding.preset=fsdp_ep", "sharding.mesh.expert=2"],
          "ep4": ["sharding.preset=fsdp_ep", "sharding.mesh.expert=4"]}
 params0 = None
@@ -128,7 +147,8 @@ for name, over in train.items():
     lowered = loop.lower_checked(b, fn, p, batch)
     res["train"][name] = {"loss": float(lowered.compile()(p, batch)),
                           "mesh": dict(b.mesh.shape), "all_to_all": "all_to_all" in
-                          lowered.as_text()}
+                          lowered.as_text(), "manual": "sdy.manual_computation" in
+                          lowered.as_text() or "shard_map" in lowered.as_text()}
 print("RESULT " + json.dumps(res))
 """
 
@@ -175,6 +195,21 @@ def test_ep_block_matches_single_shard(results, name):
     assert not bad, bad
 
 
+@pytest.mark.parametrize("name", ["fsdp4", "data2", "fsdp_ep_exp1"])
+def test_sharded_tokens_without_ep_match_single_shard(results, name):
+    # Tokens split over data/fsdp, experts not (P = 1): each shard sorts only its own rows
+    # inside shard_map, no all-to-all. Same rounding sources as EP (grouping, psum order).
+    r = results["block"][name]
+    assert r["shards"] == 1 and r["manual"] and not r["all_to_all"], r
+    bad = {k: v for k, v in r["rel"].items() if not v <= REL_TOL}
+    assert not bad, bad
+    assert KEYS <= set(r["rel"]) and any(k.startswith("grad_experts.w_up") for k in r["rel"])
+
+
+def test_one_device_rules_keep_single_shard_path(results):
+    assert results["block"]["one_device_layout"] == "None"
+
+
 def test_ragged_exchange_offsets_match_single_shard(results):
     # The TPU exchange's offsets and sizes, with the collective emulated (forward + reverse),
     # experts split over two mesh axes (shard index and chunk order must agree across both).
@@ -194,10 +229,14 @@ def test_experts_not_divisible_by_shards_is_a_value_error(results):
     assert msg and "num_experts=8" in msg and "3 shards" in msg, msg
 
 
-@pytest.mark.parametrize("name", ["ep2", "ep4"])
+@pytest.mark.parametrize("name", ["ep2", "ep4", "fsdp8"])
 def test_fsdp_ep_train_loss_matches_single_device(results, name):
     r, ref = results["train"][name], results["train"]["single"]
-    assert r["mesh"]["expert"] == int(name[2:]) and r["all_to_all"]
+    if name == "fsdp8":
+        # Preset fsdp: the per-shard dispatch without EP, so no all-to-all.
+        assert r["mesh"]["fsdp"] == 8 and r["manual"] and not r["all_to_all"]
+    else:
+        assert r["mesh"]["expert"] == int(name[2:]) and r["all_to_all"]
     # Same f32 rounding argument as the block (plus the sharded attention): 2e-6 relative.
     assert abs(r["loss"] - ref["loss"]) <= 2e-6 * abs(ref["loss"]), (r["loss"], ref["loss"])
 

@@ -109,7 +109,8 @@ class MoEBlock(nnx.Module):
         return y_TD.reshape(b, s, d), aux
 
     def _dropless(self, x_TD, ids_TK):
-        # The sharding rules, not a flag, decide: "exp" on mesh axes of size > 1 means EP.
+        # The sharding rules, not a flag, decide: tokens or experts split over mesh axes of
+        # size > 1 mean a per-shard dispatch in shard_map (with an all-to-all when "exp" is).
         layout = ep.layout_from_context(self.cfg.num_experts)
         if layout is not None:
             return ep.dropless(layout, x_TD, ids_TK, self.experts, self.kernels)

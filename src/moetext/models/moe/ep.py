@@ -4,14 +4,20 @@ Legend: T tokens (global), t local tokens, K experts per token, m = t*K local as
 D emb_dim, F moe_intermediate_size, E experts, P expert-parallel shards, L = E/P experts per
 shard, R rows received by a shard, C rows per destination in the padded (CPU) exchange.
 
-EP turns on by itself when the active logical rules (`logical.use_rules`) map the logical axis
-"exp" to mesh axes of total size P > 1 (preset fsdp_ep); otherwise the block runs its
-single-shard path. Per shard:
+The sharded dispatch turns on by itself whenever a rules context (`logical.use_rules`) is
+active and either splits the tokens (logical "batch"/"length") over mesh axes of total size > 1
+or maps "exp" to mesh axes of total size P > 1. Without it XLA would have to run the dispatch's
+argsort over the global batch, which it cannot partition: every chip would hold every chip's
+routed rows (the all-reduced [T*K, D] arrays of docs/performance.md). Per shard:
 
     permute local rows by global expert id -> exchange per-expert counts (all_gather over the
     exp axes) -> rows to the shard owning their expert (all-to-all) -> sort received rows by
     local expert -> three gmm calls with group_offset = shard * L -> unsort -> rows back
     (reverse all-to-all) -> unpermute -> y_TKD (the block combines with the routing weights)
+
+P = 1 (presets fsdp, fsdp_tp: tokens sharded, experts not) is the degenerate case: no counts
+exchange and no all-to-all; each shard sorts its own t*K rows and runs gmm against all E experts
+(weights all-gathered by `gather_expert_weights`, as FSDP does for a dense MLP).
 
 Shard p owns experts [p*L, (p+1)*L): the weights are split along E on the exp axes, so their
 dim-0 block p is exactly those experts. Routing and the aux losses stay outside, on the global
@@ -58,7 +64,7 @@ class EPLayout:
     token_axes: tuple[str, ...]  # mesh axes that split T inside the shard_map
     w_in_spec: PartitionSpec
     w_out_spec: PartitionSpec
-    exchange: str  # "ragged" | "padded"
+    exchange: str  # "ragged" | "padded" | "none" (P = 1)
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -77,29 +83,33 @@ def exchange_for(mesh: Mesh) -> str:
 
 
 def layout_from_context(num_experts: int) -> EPLayout | None:
-    """The EP layout of the active rules, or None when EP is off (no rules, or exp size 1)."""
+    """The sharded-dispatch layout of the active rules, or None for the single-shard path (no
+    rules, or neither tokens nor experts split over mesh axes of size > 1)."""
     ctx = logical.current()
     if ctx is None:
         return None
     mesh, rules = ctx
     names = mesh.axis_names
     w_in = logical.logical_to_mesh_spec(W_IN_NAMES, rules, names)
+    w_out = logical.logical_to_mesh_spec(W_OUT_NAMES, rules, names)
     exp_axes = _axes(w_in[0])
     p = _size(mesh, exp_axes)
+    tok = logical.logical_to_mesh_spec(TOKEN_NAMES, rules, names)
+    token_axes = _axes(tok[0]) + _axes(tok[1])
     if p <= 1:
-        return None
+        if _size(mesh, token_axes) <= 1:
+            return None
+        # Experts replicated (up to size-1 axes): per-shard sort, no exchange.
+        return EPLayout(mesh, (), 1, token_axes, w_in, w_out, "none")
     if num_experts % p:
         raise ValueError(
             f"expert parallelism: num_experts={num_experts} is not divisible by the {p} shards "
             f"of mesh axes {exp_axes} (mesh {dict(mesh.shape)}); pick an expert axis size that "
             f"divides {num_experts}"
         )
-    tok = logical.logical_to_mesh_spec(TOKEN_NAMES, rules, names)
-    token_axes = _axes(tok[0]) + _axes(tok[1])
     # Tokens must be split over the exp axes too (each shard dispatches its own rows); if the
     # rules replicate them there, split them anyway: shard_map slices, nothing is lost.
     token_axes += tuple(a for a in exp_axes if a not in token_axes)
-    w_out = logical.logical_to_mesh_spec(W_OUT_NAMES, rules, names)
     return EPLayout(mesh, exp_axes, p, token_axes, w_in, w_out, exchange_for(mesh))
 
 
@@ -126,12 +136,13 @@ def dropless(layout: EPLayout, x_TD, ids_TK, experts, kernels) -> jax.Array:
     shards = _size(layout.mesh, layout.token_axes)
     if t % shards:
         raise ValueError(
-            f"expert parallelism: {t} tokens (batch x length) do not split over the {shards} "
+            f"sharded MoE dispatch: {t} tokens (batch x length) do not split over the {shards} "
             f"shards of mesh axes {layout.token_axes} (mesh {dict(layout.mesh.shape)}); make "
             f"the global batch a multiple of {shards}"
         )
     tok = PartitionSpec(layout.token_axes)
-    body = _shard_body(layout, experts.w_gate.shape[0], experts.dtype, kernels)
+    make_body = _local_body if layout.num_shards == 1 else _shard_body
+    body = make_body(layout, experts.w_gate.shape[0], experts.dtype, kernels)
     fn = jax.shard_map(
         body,
         mesh=layout.mesh,
@@ -142,6 +153,21 @@ def dropless(layout: EPLayout, x_TD, ids_TK, experts, kernels) -> jax.Array:
         check_vma=False,
     )
     return fn(x_TD, ids_TK, experts.w_gate[...], experts.w_up[...], experts.w_down[...])
+
+
+def _local_body(layout: EPLayout, num_experts: int, dtype, kernels):
+    """P = 1: this shard's rows through all E experts; the only collectives are the weights'
+    all-gathers (and, in the backward pass, their reduce-scatters)."""
+
+    def body(x_tD, ids_tK, w_gate, w_up, w_down):
+        w_gate = gather_expert_weights(w_gate, layout.w_in_spec).astype(dtype)
+        w_up = gather_expert_weights(w_up, layout.w_in_spec).astype(dtype)
+        w_down = gather_expert_weights(w_down, layout.w_out_spec).astype(dtype)
+        xs_mD, sizes_E, order_m = dsp.permute(x_tD.astype(dtype), ids_tK, num_experts)
+        ys_mD = _swiglu(xs_mD, w_gate, w_up, w_down, sizes_E, None, kernels, dtype)
+        return dsp.unpermute(ys_mD, order_m, ids_tK.shape[1])
+
+    return body
 
 
 def _shard_body(layout: EPLayout, num_experts: int, dtype, kernels):
