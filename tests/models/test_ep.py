@@ -8,8 +8,7 @@ on CPU against an emulation of the collective built from all_gather, and the rea
 is compiled ahead of time for a v5p topology (tpu_aot).
 
 Budget: ~2 min on 2 cores (one subprocess: 7 block settings + 4 train-loss compiles; measured
-5 min with a TPU AOT compile sharing the cores),
-plus ~20 s for the AOT compile.
+5 min with a TPU AOT compile sharing the cores), plus ~20 s for the AOT compile.
 """
 
 import json
