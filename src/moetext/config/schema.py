@@ -87,6 +87,14 @@ class KernelsConfig:
     """Verify at run time that group sizes are non-negative and sum to at most M (debug)."""
     tiling: tuple[int, int, int] | None = None
     """Fixed (tm, tk, tn) tiles for tiled backends; None uses each backend's defaults."""
+    quantization: Literal["none", "fp8_blockwise"] = "none"
+    """fp8_blockwise wraps the gmm backend in QuantizedGmm (block-wise e4m3, fwd and bwd)."""
+    fp8_block_size: int = 128
+    """FP8 only: elements per scale block along the contraction axis."""
+    fp8_weight_block: str = "1x128"
+    """FP8 only: weight scale blocks, "1x<block>" (per row run) or "<block>x<block>" (tiles)."""
+    fp8_bwd_quantize: bool | Literal["auto"] = "auto"
+    """FP8 only: quantize the output gradient; auto = only where a native FP8 kernel exists."""
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moetext.config.schema import KernelsConfig, MoEConfig
-from moetext.kernels import gmm as gmm_lib
 from moetext.models.layers.mlp import SwiGLU
 from moetext.models.moe import dispatch as dsp
 from moetext.models.moe import ep
-from moetext.models.moe.experts import Experts
+from moetext.models.moe.experts import Experts, gmm_backend
 from moetext.models.moe.router import Router, load_balance_loss, route, router_z_loss
 
 DISPATCH_MODES = ("dropless", "capacity")
@@ -59,7 +58,7 @@ class MoEBlock(nnx.Module):
         rngs: nnx.Rngs,
     ):
         check_moe_config(cfg)
-        gmm_lib.get_backend(kernels.gmm_backend)  # an unknown name fails at build, not in jit
+        gmm_backend(kernels)  # an unknown name or bad FP8 recipe fails at build, not in jit
         self.cfg, self.kernels, self.dtype = cfg, kernels, dtype
         self.router = Router(
             emb_dim, cfg.num_experts, init_std=init_std, param_dtype=param_dtype, rngs=rngs
@@ -118,7 +117,7 @@ class MoEBlock(nnx.Module):
         ys_MD = self.experts.grouped(
             xs_MD,
             group_sizes_E,
-            backend=self.kernels.gmm_backend,
+            backend=gmm_backend(self.kernels),
             checked=self.kernels.checked,
             tiling=self.kernels.tiling,
         )

@@ -43,6 +43,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from moetext.kernels import gmm as gmm_lib
 from moetext.models.moe import dispatch as dsp
+from moetext.models.moe.experts import gmm_backend
 from moetext.sharding import logical
 
 # Logical names of the expert weights (models/moe/experts.py creates them with these).
@@ -218,7 +219,7 @@ def _swiglu(xs_RD, w_gate, w_up, w_down, group_sizes_E, group_offset, kernels, d
             lhs,
             w,
             group_sizes_E,
-            backend=kernels.gmm_backend,
+            backend=gmm_backend(kernels),
             preferred_element_type=dtype,
             group_offset=group_offset,
             checked=kernels.checked,

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moetext.config.schema import KernelsConfig
+from moetext.kernels import fp8
 from moetext.kernels import gmm as gmm_lib
 from moetext.models.layers.params import make_param, normal
 
@@ -59,3 +61,16 @@ class Experts(nnx.Module):
         up_ECF = jnp.einsum("ecd,edf->ecf", x, self.w_up[...].astype(dt))
         h_ECF = jax.nn.silu(gate_ECF) * up_ECF
         return jnp.einsum("ecf,efd->ecd", h_ECF, self.w_down[...].astype(dt))
+
+
+def gmm_backend(kernels: KernelsConfig) -> gmm_lib.GmmBackend:
+    """The configured gmm backend, wrapped in QuantizedGmm when kernels.quantization asks."""
+    backend = gmm_lib.get_backend(kernels.gmm_backend)
+    if kernels.quantization == "fp8_blockwise":
+        recipe = fp8.Fp8Recipe(
+            block_size=kernels.fp8_block_size,
+            weight_block=kernels.fp8_weight_block,
+            bwd_quantize=kernels.fp8_bwd_quantize,
+        )
+        backend = fp8.QuantizedGmm(backend, recipe)
+    return backend
