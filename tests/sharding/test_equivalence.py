@@ -72,7 +72,7 @@ def test_param_specs_follow_each_preset(results):
     assert fsdp["experts.w_gate"] == [None, "fsdp", None]
     assert tp["w_q"] == ["fsdp", "tensor", None]
     assert tp["w_k"] == ["fsdp", "tensor", None]
-    assert tp["lm_head"] == ["fsdp", "tensor"]
+    assert tp["lm_head"] == ["tensor", "fsdp"]
     assert tp["experts.w_down"] == [None, "tensor", "fsdp"]
     assert tp["embed"] == ["tensor", "fsdp"]
     assert ep["experts.w_gate"] == ["expert", "fsdp", None]

@@ -105,7 +105,7 @@ def test_mesh_axes_are_auto(chips8):
 def test_fsdp_shards_embed_dim_of_every_weight_and_mirrors_into_adam_moments(chips8):
     b = loop.build(load(), chips8, abstract=True)
     assert spec_at(b, "embed") == P(None, "fsdp")
-    assert spec_at(b, "lm_head") == P("fsdp", None)
+    assert spec_at(b, "lm_head") == P(None, "fsdp")
     assert spec_at(b, "layers", 0, "attn", "w_q") == P("fsdp", None, None)
     assert spec_at(b, "layers", 0, "mlp", "experts", "w_down") == P(None, None, "fsdp")
     assert spec_at(b, "final_norm", "scale") == P(None)
@@ -131,7 +131,7 @@ def test_fsdp_tp_adds_tensor_on_heads_mlp_and_vocab(chips8):
     assert spec_at(b, "layers", 0, "attn", "w_q") == P("fsdp", "tensor", None)
     assert spec_at(b, "layers", 0, "attn", "w_o") == P("tensor", None, "fsdp")
     assert spec_at(b, "layers", 0, "mlp", "experts", "w_gate") == P(None, "fsdp", "tensor")
-    assert spec_at(b, "lm_head") == P("fsdp", "tensor")
+    assert spec_at(b, "lm_head") == P("tensor", "fsdp")
     assert b.batch_sharding.spec == P(("data", "fsdp", "expert"), None)
 
 

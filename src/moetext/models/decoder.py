@@ -165,8 +165,10 @@ class Decoder(nnx.Module):
             )
         self.final_norm = RMSNorm(cfg.emb_dim, eps=cfg.rms_norm_eps, param_dtype=pdt, rngs=rngs)
         if not cfg.tie_embeddings:
+            # [V, D] like the embedding (and HF's lm_head.weight): on XLA:CPU the backward
+            # matmuls of this layout run ~4x faster than [D, V] (see docs/performance.md).
             self.lm_head = make_param(
-                rngs, init, (cfg.emb_dim, cfg.vocab_size), ("embed", "vocab"), pdt
+                rngs, init, (cfg.vocab_size, cfg.emb_dim), ("vocab", "embed"), pdt
             )
 
     def __call__(self, tokens_BS: jax.Array, *, positions_BS: jax.Array | None = None):
@@ -184,10 +186,11 @@ class Decoder(nnx.Module):
         x_BSD = jnp.take(self.embed[...], tokens_BS, axis=0).astype(self.dtype)
         x_BSD, aux_sum = self._run_layers(x_BSD, cos_BSH, sin_BSH)
         x_BSD = self.final_norm(x_BSD)
-        head_DV = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
-        logits_BSV = jnp.einsum(
-            "bsd,dv->bsv", x_BSD, head_DV.astype(self.dtype), preferred_element_type=jnp.float32
-        )
+        head_VD = self.embed[...] if cfg.tie_embeddings else self.lm_head[...]
+        # Logits come out in the compute dtype and the loss upcasts them to f32 (MaxText's
+        # default too): an f32-output bf16 matmul is ~3x slower on CPU for the [T, V] logits.
+        logits_BSV = jnp.einsum("bsd,vd->bsv", x_BSD, head_VD.astype(self.dtype))
+        logits_BSV = logits_BSV.astype(jnp.float32)
         logits_BSV = constrain(logits_BSV, ("batch", "length", "vocab"))
         n = max(self.num_moe_layers, 1)
         return logits_BSV, {key: aux_sum[key] / n for key in AUX_KEYS}

@@ -67,8 +67,13 @@ def gmm(
     own = getattr(be, "differentiable_gmm", None)  # a backend that owns its autodiff (FP8)
     if own is not None:
         out = own(
-            lhs, rhs, group_sizes, preferred_element_type=pet, transpose_rhs=transpose_rhs,
-            group_offset=group_offset, tiling=tiling,
+            lhs,
+            rhs,
+            group_sizes,
+            preferred_element_type=pet,
+            transpose_rhs=transpose_rhs,
+            group_offset=group_offset,
+            tiling=tiling,
         )
     else:
         out = _gmm(be, pet, transpose_rhs, tiling, lhs, rhs, group_sizes, group_offset)
@@ -110,8 +115,13 @@ def tgmm(
     own = getattr(be, "differentiable_tgmm", None)
     if own is not None:
         return own(
-            lhs, rhs, group_sizes, num_groups=num_groups, preferred_element_type=pet,
-            group_offset=group_offset, tiling=tiling,
+            lhs,
+            rhs,
+            group_sizes,
+            num_groups=num_groups,
+            preferred_element_type=pet,
+            group_offset=group_offset,
+            tiling=tiling,
         )
     return _tgmm(be, pet, num_groups, tiling, lhs, rhs, group_sizes, group_offset)
 
