@@ -17,7 +17,12 @@ Tiling = tuple[int, int, int]
 
 @runtime_checkable
 class GmmBackend(Protocol):
-    """What every grouped-matmul backend implements (forward math only; autodiff lives in api)."""
+    """What every grouped-matmul backend implements (forward math only; autodiff lives in api).
+
+    A backend that must own its autodiff (QuantizedGmm keeps FP8 residuals) may also define
+    `differentiable_gmm` / `differentiable_tgmm` with the same arguments; api calls those
+    instead of wrapping the forward in its generic custom_vjp.
+    """
 
     name: str
 
