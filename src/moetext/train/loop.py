@@ -126,7 +126,7 @@ def run(cfg: Config) -> dict[str, Any]:
         make_eval_step(b.graphdef, b.rest),
         in_shardings=(b.state_shardings.params, b.batch_sharding),
     )
-    put = lambda tokens: _put_batch(tokens, b.batch_sharding)
+    put = lambda tokens: put_batch(tokens, b.batch_sharding)
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
     fpt = flops_per_token(cfg.model, cfg.moe, cfg.data.seq_len)
     peak = (
@@ -190,7 +190,7 @@ def _maybe_resume(b: Built, ckpt: Checkpointer | None) -> TrainState:
     return state
 
 
-def _put_batch(tokens_BS1: np.ndarray, sharding: NamedSharding) -> jax.Array:
+def put_batch(tokens_BS1: np.ndarray, sharding: NamedSharding) -> jax.Array:
     # Every process computes the same global batch (cheap for synthetic data) and hands each
     # addressable device its rows, which also works across hosts.
     return jax.make_array_from_callback(tokens_BS1.shape, sharding, lambda idx: tokens_BS1[idx])
