@@ -11,16 +11,13 @@ Budget: ~2 min on 2 cores (one subprocess: 7 block settings + 4 train-loss compi
 5 min with a TPU AOT compile sharing the cores), plus ~20 s for the AOT compile.
 """
 
-import json
 import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from fake_devices import run_result
+
 TIMEOUT_S = 600
 
 WORKER = r"""
@@ -154,23 +151,7 @@ print("RESULT " + json.dumps(res))
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=str(REPO / "src"),
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", WORKER],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        cwd=REPO,
-    )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-6000:]
-    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    return run_result(["-c", WORKER], timeout_s=TIMEOUT_S)
 
 
 # f32 compute. EP moves rows between shards and reorders them inside each group, and the weight

@@ -4,38 +4,19 @@ The device count is fixed when jax initialises, so the work runs in a fresh inte
 (equivalence_worker.py) with XLA_FLAGS=--xla_force_host_platform_device_count=8.
 """
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from fake_devices import run_result
+
 WORKER = Path(__file__).with_name("equivalence_worker.py")
 TIMEOUT_S = 1500  # ~80 s of CPU; wall time grows with the host's load
 
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=str(REPO / "src"),
-    )
-    out = subprocess.run(
-        [sys.executable, str(WORKER)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        cwd=REPO,
-    )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-6000:]
-    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    return run_result([str(WORKER)], timeout_s=TIMEOUT_S)
 
 
 def test_meshes_are_what_the_settings_ask(results):
