@@ -56,7 +56,14 @@ DTYPE_BYTES = {
     "c64": 8,
     "c128": 16,
 }
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+COLLECTIVES = (
+    "all-gather",
+    "reduce-scatter",
+    "all-reduce",
+    "ragged-all-to-all",
+    "all-to-all",
+    "collective-permute",
+)
 _OP_RE = re.compile(
     r"=\s*(?P<shape>\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
     r"(?P<op>" + "|".join(COLLECTIVES) + r")(?:-start)?\("
@@ -146,9 +153,10 @@ def _trip_count(while_line: str, body_of: dict) -> int:
     return consts[0] if len(consts) == 1 else 1
 
 
-def collectives(hlo_text: str) -> dict[tuple[str, str], dict[str, float]]:
+def collectives(hlo_text: str, *, by: str = "dtype") -> dict[tuple[str, str], dict[str, float]]:
     """(op, element types) -> count and bytes per step; ops inside a while body (the layer
-    scan), or in computations it calls, count once per known trip."""
+    scan), or in computations it calls, count once per known trip. by="shape" keys on the
+    result shape instead (e.g. f8e4m3fn[8,2048,768]: which arrays cross the wire)."""
     lines = hlo_text.splitlines()
     comp_of_line, times = _call_multipliers(lines)
     out: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: {"count": 0, "bytes": 0.0})
@@ -157,7 +165,11 @@ def collectives(hlo_text: str) -> dict[tuple[str, str], dict[str, float]]:
         if not m or "-done(" in line:
             continue
         nbytes, dtypes = array_bytes(m.group("shape"))
-        key = (m.group("op"), ",".join(sorted(set(dtypes))))
+        if by == "shape":
+            shapes = [f"{dt}[{dims}]" for dt, dims in _ARRAY_RE.findall(m.group("shape"))]
+            key = (m.group("op"), ",".join(shapes))
+        else:
+            key = (m.group("op"), ",".join(sorted(set(dtypes))))
         k = times.get(comp, 1)
         out[key]["count"] += k
         out[key]["bytes"] += k * nbytes
@@ -188,7 +200,9 @@ def report(cfg, topology: str, b, compiled, lower_s: float, compile_s: float) ->
     hbm = hbm_bytes(topology)
     chips = b.mesh.devices.size
     tokens_per_chip = cfg.data.global_batch_size * cfg.data.seq_len / chips
-    coll = collectives(compiled.as_text())
+    hlo = compiled.as_text()
+    coll = collectives(hlo)
+    by_shape = sorted(collectives(hlo, by="shape").items(), key=lambda kv: -kv[1]["bytes"])
     return {
         "topology": topology,
         "chips": chips,
@@ -215,6 +229,10 @@ def report(cfg, topology: str, b, compiled, lower_s: float, compile_s: float) ->
             {"op": op, "dtypes": dt, "count": v["count"], "bytes": v["bytes"]}
             for (op, dt), v in sorted(coll.items())
         ],
+        "collectives_by_shape": [
+            {"op": op, "shapes": sh, "count": v["count"], "bytes": v["bytes"]}
+            for (op, sh), v in by_shape
+        ],
     }
 
 
@@ -237,6 +255,9 @@ def print_report(r: dict) -> None:
     print("collectives per step (ops in the layer scan counted once per layer):")
     for c in r["collectives"]:
         print(f"  {c['op']:<20}{c['dtypes']:<12}{c['count']:>6} x  {g(c['bytes'])} total")
+    print("largest collectives by result shape:")
+    for c in r["collectives_by_shape"][:8]:
+        print(f"  {c['op']:<20}{c['shapes']:<32}{c['count']:>6} x  {g(c['bytes'])} total")
 
 
 def main(argv: list[str]) -> int:

@@ -129,6 +129,15 @@ def test_wrong_type_names_key_type_and_value():
         config.load(TINY, ["moe.dispatch=sorted"])
 
 
+def test_quantization_settings_that_would_be_ignored_are_errors():
+    with pytest.raises(ConfigError, match=r"kernels.qag=true .* needs kernels.quantization="):
+        config.load(TINY, ["kernels.qag=true"])
+    with pytest.raises(ConfigError, match=r"needs moe.dispatch='dropless'.*'capacity'"):
+        config.load(TINY, ["kernels.quantization=fp8_blockwise", "moe.dispatch=capacity"])
+    cfg = config.load(TINY, ["kernels.quantization=fp8_blockwise", "kernels.qag=true"])
+    assert cfg.kernels.qag is True
+
+
 def test_missing_file():
     with pytest.raises(ConfigError, match="config file not found: '.*nope.yml'"):
         config.load("configs/models/nope.yml")

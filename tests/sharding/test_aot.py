@@ -36,6 +36,8 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 backend_config={"known_trip_count":{"n":"48"}}
   %rs = f32[2,3]{1,0} reduce-scatter(f32[8,3]{1,0} %z), dimensions={0}
   %a2a = (bf16[4,2]{1,0}, bf16[4,2]{1,0}) all-to-all(bf16[4,2] %p, bf16[4,2] %q)
+  %rag = bf16[64,8]{1,0} ragged-all-to-all(bf16[16,8]{1,0} %r, bf16[64,8]{1,0} %o, s32[4] %i)
+  %q8 = f8e4m3fn[128,2048,768]{2,1,0} all-gather(f8e4m3fn[128,64,768]{2,1,0} %w), dimensions={1}
 }
 """
 
@@ -46,7 +48,12 @@ def test_collective_parser_counts_scan_bodies_per_trip(aot):
     assert got[("all-reduce", "f32")] == {"count": 48, "bytes": 48 * 4 * 4}
     assert got[("reduce-scatter", "f32")] == {"count": 1, "bytes": 2 * 3 * 4}
     assert got[("all-to-all", "bf16")] == {"count": 1, "bytes": 2 * 4 * 2 * 2}
-    assert len(got) == 4  # the -done half of an async pair is not counted again
+    assert got[("ragged-all-to-all", "bf16")] == {"count": 1, "bytes": 64 * 8 * 2}
+    assert got[("all-gather", "f8e4m3fn")] == {"count": 1, "bytes": 128 * 2048 * 768}
+    assert len(got) == 6  # the -done half of an async pair is not counted again
+    shapes = aot.collectives(HLO, by="shape")
+    assert shapes[("all-gather", "f8e4m3fn[128,2048,768]")]["count"] == 1
+    assert shapes[("all-gather", "bf16[32,16]")]["count"] == 48
 
 
 def test_unknown_generation_is_an_error(aot):

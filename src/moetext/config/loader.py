@@ -101,6 +101,17 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")
     if moe.capacity_factor <= 0:
         raise ConfigError(f"moe.capacity_factor must be positive, got {moe.capacity_factor}")
+    k = cfg.kernels
+    if k.quantization != "none" and moe.dispatch != "dropless":
+        raise ConfigError(
+            f"kernels.quantization={k.quantization!r} needs moe.dispatch='dropless' (the grouped "
+            f"matmuls it quantizes); moe.dispatch={moe.dispatch!r} runs plain einsums"
+        )
+    if k.qag and k.quantization != "fp8_blockwise":
+        raise ConfigError(
+            f"kernels.qag=true all-gathers FP8 expert weights, so it needs "
+            f"kernels.quantization='fp8_blockwise', got {k.quantization!r}"
+        )
     _validate_sharding(cfg)
 
 

@@ -95,6 +95,8 @@ class KernelsConfig:
     """FP8 only: weight scale blocks, "1x<block>" (per row run) or "<block>x<block>" (tiles)."""
     fp8_bwd_quantize: bool | Literal["auto"] = "auto"
     """FP8 only: quantize the output gradient; auto = only where a native FP8 kernel exists."""
+    qag: bool = False
+    """FP8 only: quantized all-gather of sharded expert weights (FP8 on the wire, not bf16)."""
 
 
 @dataclass(frozen=True)

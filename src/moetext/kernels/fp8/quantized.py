@@ -25,9 +25,11 @@ import jax
 import jax.numpy as jnp
 
 from moetext.kernels.fp8 import pallas_fp8, pallas_tgmm_fp8
+from moetext.kernels.fp8.qag import quantized_all_gather
 from moetext.kernels.fp8.quantize import DualQuantized, Quantized
 from moetext.kernels.fp8.recipe import Fp8Recipe
 from moetext.kernels.gmm.backend import GmmBackend
+from moetext.kernels.gmm.gather import gather_weight, psum_scatter_dims
 
 
 def _pad_axis(x, axis: int, size: int):
@@ -235,6 +237,40 @@ class QuantizedGmm:
         )
         return _qgmm(static, lhs, rhs, group_sizes, group_offset)
 
+    def differentiable_gathered_gmm(
+        self,
+        lhs,
+        rhs,
+        group_sizes,
+        *,
+        gather,
+        preferred_element_type,
+        transpose_rhs,
+        group_offset,
+        tiling,
+    ):
+        """gmm on a weight slice split along `gather` (api.gmm's rhs_gather): QAG when the
+        recipe asks (FP8 on the wire), else the plain compute-dtype all-gather."""
+        kw = dict(
+            preferred_element_type=preferred_element_type,
+            transpose_rhs=transpose_rhs,
+            group_offset=group_offset,
+            tiling=tiling,
+        )
+        if not self.recipe.qag:
+            full = gather_weight(rhs, gather, lhs.dtype)
+            return self.differentiable_gmm(lhs, full, group_sizes, **kw)
+        static = (
+            self,
+            jnp.dtype(preferred_element_type),
+            bool(transpose_rhs),
+            tiling,
+            jnp.dtype(lhs.dtype),
+            jnp.dtype(rhs.dtype),
+            gather,
+        )
+        return _qag_gmm(static, lhs, rhs, group_sizes, group_offset)
+
     def differentiable_tgmm(
         self, lhs, rhs, group_sizes, *, num_groups, preferred_element_type, group_offset, tiling
     ):
@@ -325,6 +361,57 @@ def _qgmm_bwd(static, res, dout):
 
 
 _qgmm.defvjp(_qgmm_fwd, _qgmm_bwd)
+
+
+# --- QAG: out = lhs @ all_gather(rhs slice)[g], the slice all-gathered as FP8 ------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _qag_gmm(static, lhs, rhs, group_sizes, group_offset):
+    return _qag_gmm_fwd(static, lhs, rhs, group_sizes, group_offset)[0]
+
+
+def _qag_gmm_fwd(static, lhs, rhs, group_sizes, group_offset):
+    qb, pet, transpose_rhs, tiling, lhs_dtype, _, gather = static
+    r = qb.recipe
+    contract = 2 if transpose_rhs else 1
+    # The slice in the compute dtype, as the plain path gathers it: same FP8 numbers.
+    rq = quantized_all_gather(
+        rhs.astype(lhs_dtype),
+        gather,
+        axis=None if r.tiled_weights else contract,
+        block_size=r.block_size,
+        dtype=r.fwd_dtype,
+    )
+    lrow = qb._q(lhs, 1)
+    out = qb._mm(
+        lrow,
+        rq,
+        group_sizes,
+        transpose_rhs=transpose_rhs,
+        group_offset=group_offset,
+        tiling=tiling,
+        pet=pet,
+    )
+    lhs_res = qb._q(lhs, 0) if qb.bwd_quantize else lrow
+    rhs_res = rq
+    if qb.bwd_quantize and not r.tiled_weights:
+        # The FP8 backward contracts N and wants blocks along it; the high-precision gathered
+        # weight never exists under QAG, so re-block the dequantized FP8 one (a second rounding,
+        # docs/kernels.md). Tiled weights (bs x bs) serve both orientations and avoid it.
+        rhs_res = qb._q_rhs(rq.dequantize(lhs_dtype), 3 - contract)
+    return out, (lhs_res, rhs_res, group_sizes, group_offset)
+
+
+def _qag_gmm_bwd(static, res, dout):
+    qb, pet, transpose_rhs, tiling, lhs_dtype, rhs_dtype, gather = static
+    # QuantizedGmm's backward on the gathered weight (in the compute dtype, as the plain path's
+    # gradient), then each shard keeps the sum over shards of its own slice.
+    dlhs, drhs, _, _ = _qgmm_bwd((qb, pet, transpose_rhs, tiling, lhs_dtype, lhs_dtype), res, dout)
+    return dlhs, psum_scatter_dims(drhs.astype(rhs_dtype), gather), None, None
+
+
+_qag_gmm.defvjp(_qag_gmm_fwd, _qag_gmm_bwd)
 
 
 # --- tgmm: out[g] = lhs[rows of g].T @ rhs[rows of g] ------------------------------------------

@@ -29,6 +29,11 @@ class Fp8Recipe:
       as given (free when it is a parameter, which stays alive anyway), "fp8" keeps its FP8
       quantization (for weights that are temporaries, e.g. all-gathered inside shard_map).
       Activations (lhs) are always kept as FP8 values plus scales.
+    qag: quantized all-gather. When gmm gets a sharded weight slice (`rhs_gather`, inside
+      shard_map), each shard quantizes its slice and the all-gather moves FP8 values plus
+      block amaxes instead of compute-dtype weights (kernels/fp8/qag.py); the gradient is
+      reduce-scattered back. The gathered FP8 weight is what the backward keeps. False gathers
+      in the compute dtype and quantizes the gathered copy.
     """
 
     block_size: int = 128
@@ -38,6 +43,7 @@ class Fp8Recipe:
     grad_dtype: str = "float8_e4m3fn"
     emulation_dtype: str = "float32"
     save_rhs: Literal["input", "fp8"] = "input"
+    qag: bool = False
 
     def __post_init__(self):
         bs = self.block_size
@@ -62,6 +68,8 @@ class Fp8Recipe:
         if emu not in ("float32", "bfloat16"):
             raise ValueError(f"Fp8Recipe.emulation_dtype must be float32 or bfloat16, got {emu!r}")
         object.__setattr__(self, "emulation_dtype", emu)
+        if not isinstance(self.qag, bool):
+            raise ValueError(f"Fp8Recipe.qag must be a bool, got {self.qag!r}")
         if self.save_rhs not in ("input", "fp8"):
             raise ValueError(f"Fp8Recipe.save_rhs must be 'input' or 'fp8', got {self.save_rhs!r}")
 

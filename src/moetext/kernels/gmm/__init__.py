@@ -18,6 +18,7 @@ from moetext.kernels.gmm.backend import (
     get_backend,
     register,
 )
+from moetext.kernels.gmm.gather import Gather, all_gather_dims, psum_scatter_dims
 from moetext.kernels.gmm.reference import gmm_reference, tgmm_reference
 
 for _optional in ("tokamax_backend", "pallas_tpu"):
@@ -28,13 +29,16 @@ for _optional in ("tokamax_backend", "pallas_tpu"):
             raise
 
 __all__ = [
+    "Gather",
     "GmmBackend",
+    "all_gather_dims",
     "auto_backend_name",
     "available_backends",
     "get_backend",
     "gmm",
     "gmm_reference",
     "local_row_mask",
+    "psum_scatter_dims",
     "register",
     "tgmm",
     "tgmm_reference",

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moetext.kernels.gmm.backend import GmmBackend, Tiling, get_backend
+from moetext.kernels.gmm.gather import Gather, check_gather, gather_weight, gathered_shape
 
 TilingArg = Tiling | Callable[..., Tiling] | None
 
@@ -36,6 +37,7 @@ def gmm(
     tiling: TilingArg = None,
     existing_out: jax.Array | None = None,
     checked: bool = False,
+    rhs_gather: Gather | None = None,
 ) -> jax.Array:
     """out[rows of g] = lhs[rows of g] @ rhs[g - group_offset] for the local groups g.
 
@@ -43,19 +45,27 @@ def gmm(
     Rows of group g are the consecutive block after groups 0..g-1. Rows of non-local groups and
     rows past sum(group_sizes) are zero, or taken from `existing_out` [M, N] when given.
     preferred_element_type defaults to lhs.dtype.
+
+    rhs_gather (inside shard_map): rhs is this shard's slice of the weights, split along the
+    given (dim, mesh axes) pairs (kernels/gmm/gather.py). It is cast to lhs.dtype and
+    all-gathered (a backend may gather it its own way: fp8 QAG), and its gradient is
+    reduce-scattered back to the slice in rhs's own dtype. Shapes above are the gathered ones.
     """
     be = get_backend(backend)
     lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
     m, k = _check_2d("gmm", "lhs", lhs)
     if rhs.ndim != 3:
         raise ValueError(f"gmm: rhs must be [G, K, N] (rank 3), got shape {rhs.shape}")
-    g_local = rhs.shape[0]
-    rk, n = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else (rhs.shape[1], rhs.shape[2])
+    rhs_gather = check_gather(rhs_gather, rhs.ndim)
+    shape = gathered_shape(rhs.shape, rhs_gather)
+    g_local = shape[0]
+    rk, n = (shape[2], shape[1]) if transpose_rhs else (shape[1], shape[2])
     if rk != k:
         layout = "[G, N, K] (transpose_rhs=True)" if transpose_rhs else "[G, K, N]"
+        gathered = f" (gathered from {rhs.shape} by {rhs_gather})" if rhs_gather else ""
         raise ValueError(
-            f"gmm: contraction mismatch: lhs {lhs.shape} has K={k} but rhs {rhs.shape} read as "
-            f"{layout} has K={rk}"
+            f"gmm: contraction mismatch: lhs {lhs.shape} has K={k} but rhs {shape}{gathered} "
+            f"read as {layout} has K={rk}"
         )
     group_sizes, group_offset = _check_groups("gmm", group_sizes, g_local, group_offset)
     if existing_out is not None and existing_out.shape != (m, n):
@@ -64,23 +74,36 @@ def gmm(
         _runtime_check(group_sizes, m)
     pet = jnp.dtype(preferred_element_type or lhs.dtype)
     tiling = _resolve(tiling)
+    kw = dict(
+        preferred_element_type=pet,
+        transpose_rhs=transpose_rhs,
+        group_offset=group_offset,
+        tiling=tiling,
+    )
+    own_gather = getattr(be, "differentiable_gathered_gmm", None)  # fp8 QAG
+    if rhs_gather and own_gather is not None:
+        return _existing(
+            own_gather(lhs, rhs, group_sizes, gather=rhs_gather, **kw),
+            existing_out,
+            group_sizes,
+            group_offset,
+            g_local,
+        )
+    if rhs_gather:
+        rhs = gather_weight(rhs, rhs_gather, lhs.dtype)
     own = getattr(be, "differentiable_gmm", None)  # a backend that owns its autodiff (FP8)
     if own is not None:
-        out = own(
-            lhs,
-            rhs,
-            group_sizes,
-            preferred_element_type=pet,
-            transpose_rhs=transpose_rhs,
-            group_offset=group_offset,
-            tiling=tiling,
-        )
+        out = own(lhs, rhs, group_sizes, **kw)
     else:
         out = _gmm(be, pet, transpose_rhs, tiling, lhs, rhs, group_sizes, group_offset)
-    if existing_out is not None:
-        mine = local_row_mask(group_sizes, group_offset, g_local, m)
-        out = jnp.where(mine[:, None], out, existing_out.astype(out.dtype))
-    return out
+    return _existing(out, existing_out, group_sizes, group_offset, g_local)
+
+
+def _existing(out, existing_out, group_sizes, group_offset, g_local: int):
+    if existing_out is None:
+        return out
+    mine = local_row_mask(group_sizes, group_offset, g_local, out.shape[0])
+    return jnp.where(mine[:, None], out, existing_out.astype(out.dtype))
 
 
 def tgmm(

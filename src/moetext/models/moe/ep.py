@@ -17,7 +17,8 @@ routed rows (the all-reduced [T*K, D] arrays of docs/performance.md). Per shard:
 
 P = 1 (presets fsdp, fsdp_tp: tokens sharded, experts not) is the degenerate case: no counts
 exchange and no all-to-all; each shard sorts its own t*K rows and runs gmm against all E experts
-(weights all-gathered by `gather_expert_weights`, as FSDP does for a dense MLP).
+(each weight slice all-gathered inside gmm along `weight_gather`, as FSDP does for a dense MLP;
+FP8 on the wire under kernels.qag).
 
 Shard p owns experts [p*L, (p+1)*L): the weights are split along E on the exp axes, so their
 dim-0 block p is exactly those experts. Routing and the aux losses stay outside, on the global
@@ -114,17 +115,14 @@ def layout_from_context(num_experts: int) -> EPLayout | None:
     return EPLayout(mesh, exp_axes, p, token_axes, w_in, w_out, exchange_for(mesh))
 
 
-def gather_expert_weights(w: jax.Array, spec: PartitionSpec) -> jax.Array:
-    """All-gathers a local expert-weight shard over its non-expert mesh axes (e.g. fsdp on D).
+def weight_gather(spec: PartitionSpec) -> gmm_lib.Gather:
+    """The (dim, mesh axes) pairs along which a local expert-weight slice is split besides the
+    experts (e.g. fsdp on D), read from the weight's PartitionSpec, i.e. from the rules.
 
-    Dim 0 (experts) stays split: that is expert parallelism. The one place to swap in a
-    quantized all-gather; its transpose (psum_scatter) gives the weight gradient's reduction.
+    Dim 0 (experts) stays split: that is expert parallelism. gmm all-gathers the slice along
+    these (FP8 under QAG) and reduce-scatters its gradient back.
     """
-    for dim in range(1, w.ndim):
-        axes = _axes(spec[dim] if dim < len(spec) else None)
-        if axes:
-            w = jax.lax.all_gather(w, axes, axis=dim, tiled=True)
-    return w
+    return tuple((dim, _axes(spec[dim])) for dim in range(1, len(spec)) if _axes(spec[dim]))
 
 
 def dropless(layout: EPLayout, x_TD, ids_TK, experts, kernels) -> jax.Array:
@@ -161,11 +159,8 @@ def _local_body(layout: EPLayout, num_experts: int, dtype, kernels):
     all-gathers (and, in the backward pass, their reduce-scatters)."""
 
     def body(x_tD, ids_tK, w_gate, w_up, w_down):
-        w_gate = gather_expert_weights(w_gate, layout.w_in_spec).astype(dtype)
-        w_up = gather_expert_weights(w_up, layout.w_in_spec).astype(dtype)
-        w_down = gather_expert_weights(w_down, layout.w_out_spec).astype(dtype)
         xs_mD, sizes_E, order_m = dsp.permute(x_tD.astype(dtype), ids_tK, num_experts)
-        ys_mD = _swiglu(xs_mD, w_gate, w_up, w_down, sizes_E, None, kernels, dtype)
+        ys_mD = _swiglu(layout, xs_mD, (w_gate, w_up, w_down), sizes_E, None, kernels, dtype)
         return dsp.unpermute(ys_mD, order_m, ids_tK.shape[1])
 
     return body
@@ -176,9 +171,6 @@ def _shard_body(layout: EPLayout, num_experts: int, dtype, kernels):
     n_local = num_experts // p
 
     def body(x_tD, ids_tK, w_gate, w_up, w_down):
-        w_gate = gather_expert_weights(w_gate, layout.w_in_spec).astype(dtype)
-        w_up = gather_expert_weights(w_up, layout.w_in_spec).astype(dtype)
-        w_down = gather_expert_weights(w_down, layout.w_out_spec).astype(dtype)
         me = jax.lax.axis_index(axes)
         k = ids_tK.shape[1]
         xs_mD, sizes_E, order_m = dsp.permute(x_tD.astype(dtype), ids_tK, num_experts)
@@ -193,10 +185,9 @@ def _shard_body(layout: EPLayout, num_experts: int, dtype, kernels):
         mine_E = (jnp.arange(num_experts) // n_local) == me
         group_sizes_E = jnp.where(mine_E, jnp.sum(sizes_PE, axis=0), 0).astype(jnp.int32)
         ys_RD = _swiglu(
+            layout,
             jnp.take(recv_RD, sort_R, axis=0),
-            w_gate,
-            w_up,
-            w_down,
+            (w_gate, w_up, w_down),
             group_sizes_E,
             me * n_local,
             kernels,
@@ -211,10 +202,15 @@ def _shard_body(layout: EPLayout, num_experts: int, dtype, kernels):
     return body
 
 
-def _swiglu(xs_RD, w_gate, w_up, w_down, group_sizes_E, group_offset, kernels, dtype):
-    """The local experts' SwiGLU on rows grouped by expert; rows of other experts come out 0."""
+def _swiglu(layout, xs_RD, weights, group_sizes_E, group_offset, kernels, dtype):
+    """The local experts' SwiGLU on rows grouped by expert; rows of other experts come out 0.
 
-    def mm(lhs, w):
+    weights: this shard's slices (w_gate, w_up, w_down) in the parameter dtype; gmm gathers
+    them along `weight_gather` in the compute dtype (or as FP8 under kernels.qag).
+    """
+    w_gate, w_up, w_down = weights
+
+    def mm(lhs, w, spec):
         return gmm_lib.gmm(
             lhs,
             w,
@@ -224,10 +220,12 @@ def _swiglu(xs_RD, w_gate, w_up, w_down, group_sizes_E, group_offset, kernels, d
             group_offset=group_offset,
             checked=kernels.checked,
             tiling=kernels.tiling,
+            rhs_gather=weight_gather(spec),
         )
 
-    h_RF = jax.nn.silu(mm(xs_RD, w_gate)) * mm(xs_RD, w_up)
-    return mm(h_RF, w_down)
+    w_in, w_out = layout.w_in_spec, layout.w_out_spec
+    h_RF = jax.nn.silu(mm(xs_RD, w_gate, w_in)) * mm(xs_RD, w_up, w_in)
+    return mm(h_RF, w_down, w_out)
 
 
 def _exclusive_cumsum(x, axis):

@@ -71,6 +71,7 @@ def gmm_backend(kernels: KernelsConfig) -> gmm_lib.GmmBackend:
             block_size=kernels.fp8_block_size,
             weight_block=kernels.fp8_weight_block,
             bwd_quantize=kernels.fp8_bwd_quantize,
+            qag=kernels.qag,
         )
         backend = fp8.QuantizedGmm(backend, recipe)
     return backend

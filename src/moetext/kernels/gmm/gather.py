@@ -1,0 +1,90 @@
+"""Weights that arrive sharded: all-gather them for a grouped matmul, reduce-scatter the gradient.
+
+Inside `jax.shard_map` an FSDP-sharded expert weight is a local slice; `gmm(..., rhs_gather=g)`
+takes that slice plus a `Gather`: the (dim, mesh axes) pairs along which the slice is split, in
+the order they are gathered. The backward reduces the weight gradient with `psum_scatter` along
+the same pairs in reverse order, so each shard ends up with the gradient of its own slice.
+
+The plain path (`gather_weight`) casts the slice to the compute dtype first, so the wire carries
+bf16 rather than f32 master weights, and reduce-scatters the gradient in the slice's own dtype
+(f32 master weights get an f32 reduction). fp8.QuantizedGmm with `Fp8Recipe(qag=True)` replaces
+it with a quantized all-gather (kernels/fp8/qag.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+# ((dim, (mesh axis, ...)), ...): dims of a local slice split over mesh axes, gathered in order.
+Gather = tuple[tuple[int, tuple[str, ...]], ...]
+
+
+def check_gather(gather, ndim: int) -> Gather:
+    """Normalises a Gather and rejects malformed ones with the offending entry named."""
+    out = []
+    for entry in gather or ():
+        try:
+            dim, axes = entry
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"rhs_gather entries must be (dim, mesh axes) pairs, got {entry!r}"
+            ) from None
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        if not 0 <= int(dim) < ndim or not axes:
+            raise ValueError(
+                f"rhs_gather entry {entry!r}: dim must be in [0, {ndim}) with at least one mesh "
+                f"axis"
+            )
+        out.append((int(dim), axes))
+    dims = [d for d, _ in out]
+    if len(set(dims)) != len(dims):
+        raise ValueError(f"rhs_gather names a dim twice: {gather!r}")
+    return tuple(out)
+
+
+def gathered_shape(shape: tuple[int, ...], gather: Gather) -> tuple[int, ...]:
+    """The full (gathered) shape of a local slice; must run where the mesh axes are bound."""
+    full = list(shape)
+    for dim, axes in gather:
+        full[dim] *= math.prod(jax.lax.axis_size(a) for a in axes)
+    return tuple(full)
+
+
+def all_gather_dims(x: jax.Array, gather: Gather) -> jax.Array:
+    for dim, axes in gather:
+        x = jax.lax.all_gather(x, axes, axis=dim, tiled=True)
+    return x
+
+
+def psum_scatter_dims(x: jax.Array, gather: Gather) -> jax.Array:
+    """The transpose of all_gather_dims: reduce-scatter along the same dims in reverse order."""
+    for dim, axes in reversed(gather):
+        x = jax.lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
+    return x
+
+
+def gather_weight(w: jax.Array, gather: Gather, dtype) -> jax.Array:
+    """all_gather_dims(w.astype(dtype)); the gradient is psum_scatter'ed in w.dtype."""
+    if not gather:
+        return w.astype(dtype)
+    return _gather_cast(gather, jnp.dtype(dtype), jnp.dtype(w.dtype), w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _gather_cast(gather, dtype, w_dtype, w):
+    return all_gather_dims(w.astype(dtype), gather)
+
+
+def _gather_cast_fwd(gather, dtype, w_dtype, w):
+    return _gather_cast(gather, dtype, w_dtype, w), None
+
+
+def _gather_cast_bwd(gather, dtype, w_dtype, _, g):
+    return (psum_scatter_dims(g.astype(w_dtype), gather),)
+
+
+_gather_cast.defvjp(_gather_cast_fwd, _gather_cast_bwd)
