@@ -5,7 +5,7 @@
 
 Legend: T tokens, K top-k, M = T*K routed rows, D model dim, F expert hidden dim, E experts.
 The function is the expert half of an MoE layer: xs = x[rows sorted by expert] (a temporary, as
-in the real dispatch), g = gmm(xs, w_gate), u = gmm(xs, w_up), h = silu(g) * u,
+in the real dispatch), g|u = gmm(xs, w_gate|w_up), h = swiglu(g, u) (kernels/activations.py),
 y = gmm(h, w_down), loss = <y, c>. memory: residuals the forward keeps for the backward (from the
 jaxpr of jax.vjp, inputs excluded, split into the gmm operands and the rest) and the compiled
 temp bytes of the jitted gradient (XLA's memory analysis; AOT for a TPU topology). time: median
@@ -27,22 +27,29 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from moetext.kernels.activations import swiglu  # noqa: E402
 from moetext.kernels.fp8 import Fp8Recipe, QuantizedGmm  # noqa: E402
 from moetext.kernels.gmm import get_backend, gmm  # noqa: E402
 
 MiB = 1 << 20
 
 
-def moe_ffn_loss(backend, x_TD, w_in_EDX, w_down_EFD, order_M, sizes_E, topk):
-    """w_in_EDX: [E, D, 2F] fused gate|up (the MoE block's layout, xs quantized once), or a pair
-    ([E, D, F], [E, D, F]) for separate gate and up gmms."""
+def moe_ffn_loss(backend, x_TD, w_in_EDX, w_down_EFD, order_M, sizes_E, topk, act="swiglu"):
+    """w_in_EDX: [E, D, 2F] fused gate|up (the MoE layer's layout: models/moe/experts.py
+    `swiglu_mlp` runs gate and up as one gmm, so xs is quantized and kept once), or a pair
+    ([E, D, F], [E, D, F]) for separate gate and up gmms. act: "swiglu" = the
+    layer's kernels.activations.swiglu (keeps g and u, FP8 under QuantizedGmm), "jax" = JAX's
+    autodiff of silu(g) * u."""
     xs_MD = x_TD[order_M // topk]
     if isinstance(w_in_EDX, tuple):
         g_MF = gmm(xs_MD, w_in_EDX[0], sizes_E, backend=backend)
         u_MF = gmm(xs_MD, w_in_EDX[1], sizes_E, backend=backend)
     else:
         g_MF, u_MF = jnp.split(gmm(xs_MD, w_in_EDX, sizes_E, backend=backend), 2, axis=-1)
-    h_MF = jax.nn.silu(g_MF) * u_MF
+    if act == "swiglu":
+        h_MF = swiglu(g_MF, u_MF, backend=backend)
+    else:
+        h_MF = jax.nn.silu(g_MF) * u_MF
     y_MD = gmm(h_MF, w_down_EFD, sizes_E, backend=backend)
     # A plain sum: its cotangent is a broadcast constant, so the loss adds no residual.
     return jnp.sum(y_MD.astype(jnp.float32))
@@ -85,14 +92,14 @@ def _nbytes(avals):
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in avals)
 
 
-def residuals(backend, args, topk):
+def residuals(backend, args, topk, act):
     """(bytes kept for the gmm lhs operands, bytes of all residuals, residual avals).
 
     The gmm share is measured on each gmm call alone with its lhs counted (inside the layer the
     lhs is a temporary): bf16 keeps lhs itself, FP8 its values and scales. Weights are
     parameters (inputs) in both.
     """
-    layer = _residual_avals(lambda *a: moe_ffn_loss(backend, *a, topk), args)
+    layer = _residual_avals(lambda *a: moe_ffn_loss(backend, *a, topk, act), args)
     x, w_in, w_down, order, sizes = args
     m, d, f = order.shape[0], x.shape[1], w_down.shape[1]
     calls = [((m, d), w) for w in (w_in if isinstance(w_in, tuple) else (w_in,))]
@@ -106,8 +113,8 @@ def residuals(backend, args, topk):
     return ours, _nbytes(layer), layer
 
 
-def compiled_temp(backend, args, topk):
-    loss = lambda *a: moe_ffn_loss(backend, *a, topk)
+def compiled_temp(backend, args, topk, act):
+    loss = lambda *a: moe_ffn_loss(backend, *a, topk, act)
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     mem = grad.lower(*args).compile().memory_analysis()
     return mem.temp_size_in_bytes
@@ -127,12 +134,12 @@ def memory(a) -> None:
     args = make_args(a.tokens, a.topk, a.d, a.f, a.experts, a.fused, sharding)
     print(
         f"target {a.target}, backend {base.name}, T={a.tokens} K={a.topk} M={a.tokens * a.topk}"
-        f" D={a.d} F={a.f} E={a.experts}"
+        f" D={a.d} F={a.f} E={a.experts}, activation {a.activation}"
     )
     rows = {}
     for label, be in (("bf16", base), ("fp8", QuantizedGmm(base, Fp8Recipe()))):
-        ours, total, detail = residuals(be, args, a.topk)
-        temp = compiled_temp(be, args, a.topk) if a.compiled else float("nan")
+        ours, total, detail = residuals(be, args, a.topk, a.activation)
+        temp = compiled_temp(be, args, a.topk, a.activation) if a.compiled else float("nan")
         rows[label] = (ours, total, temp)
         print(
             f"{label}: gmm lhs residuals {ours / MiB:8.1f} MiB | layer residuals "
@@ -152,7 +159,7 @@ def timing(a) -> None:
     print(f"CPU time, backend {base.name}, T={a.tokens} K={a.topk} D={a.d} F={a.f} E={a.experts}")
     res = {}
     for label, be in (("bf16", base), ("fp8", QuantizedGmm(base, Fp8Recipe()))):
-        loss = lambda *x, be=be: moe_ffn_loss(be, *x, a.topk)
+        loss = lambda *x, be=be: moe_ffn_loss(be, *x, a.topk, a.activation)
         for what, fn in (
             ("fwd", jax.jit(loss)),
             ("fwd+bwd", jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))),
@@ -180,6 +187,12 @@ def main() -> None:
     p.add_argument("--f", type=int, default=None)
     p.add_argument("--experts", type=int, default=None)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--activation",
+        choices=["swiglu", "jax"],
+        default="swiglu",
+        help="swiglu: the layer's (keeps g, u; FP8 under fp8); jax: autodiff of silu(g) * u",
+    )
     p.add_argument(
         "--unfused",
         dest="fused",

@@ -138,6 +138,11 @@ class QuantizedGmm:
             interpret=getattr(self.backend, "interpret", None),
         )
 
+    def quantize_residual(self, x) -> Quantized:
+        """How this recipe keeps an activation for the backward outside a gmm (the SwiGLU
+        inputs, kernels/activations.py): FP8 values + scales in blocks along the last axis."""
+        return self._q(x, x.ndim - 1)
+
     def _q_rhs(self, rhs, contract_axis: int) -> Quantized:
         """Weights [L, *, *] blocked along `contract_axis`, or in square tiles."""
         return self._q(rhs, None if self.recipe.tiled_weights else contract_axis)

@@ -44,7 +44,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from moetext.kernels import gmm as gmm_lib
 from moetext.models.moe import dispatch as dsp
-from moetext.models.moe.experts import gmm_backend
+from moetext.models.moe.experts import gmm_backend, swiglu_mlp
 from moetext.sharding import logical
 
 # Logical names of the expert weights (models/moe/experts.py creates them with these).
@@ -208,24 +208,38 @@ def _swiglu(layout, xs_RD, weights, group_sizes_E, group_offset, kernels, dtype)
     weights: this shard's slices (w_gate, w_up, w_down) in the parameter dtype; gmm gathers
     them along `weight_gather` in the compute dtype (or as FP8 under kernels.qag).
     """
+    backend = gmm_backend(kernels)
+
+    def mm(spec):
+        def run(lhs, w):
+            return gmm_lib.gmm(
+                lhs,
+                w,
+                group_sizes_E,
+                backend=backend,
+                preferred_element_type=dtype,
+                group_offset=group_offset,
+                checked=kernels.checked,
+                tiling=kernels.tiling,
+                rhs_gather=weight_gather(spec),
+            )
+
+        return run
+
+    w_in = layout.w_in_spec
+    f_axes = dict(weight_gather(w_in)).get(2, ())
+    slices = math.prod(jax.lax.axis_size(a) for a in f_axes)
     w_gate, w_up, w_down = weights
-
-    def mm(lhs, w, spec):
-        return gmm_lib.gmm(
-            lhs,
-            w,
-            group_sizes_E,
-            backend=gmm_backend(kernels),
-            preferred_element_type=dtype,
-            group_offset=group_offset,
-            checked=kernels.checked,
-            tiling=kernels.tiling,
-            rhs_gather=weight_gather(spec),
-        )
-
-    w_in, w_out = layout.w_in_spec, layout.w_out_spec
-    h_RF = jax.nn.silu(mm(xs_RD, w_gate, w_in)) * mm(xs_RD, w_up, w_in)
-    return mm(h_RF, w_down, w_out)
+    return swiglu_mlp(
+        xs_RD,
+        w_gate,
+        w_up,
+        w_down,
+        mm(w_in),
+        mm(layout.w_out_spec),
+        backend=backend,
+        gate_up_slices=slices,
+    )
 
 
 def _exclusive_cumsum(x, axis):

@@ -12,6 +12,7 @@ from flax import nnx
 from moetext.config.schema import KernelsConfig
 from moetext.kernels import fp8
 from moetext.kernels import gmm as gmm_lib
+from moetext.kernels.activations import swiglu
 from moetext.models.layers.params import make_param, normal
 
 
@@ -41,7 +42,7 @@ class Experts(nnx.Module):
         def mm(lhs, w):
             return gmm_lib.gmm(
                 lhs,
-                w[...].astype(dt),
+                w,
                 group_sizes_E,
                 backend=backend,
                 preferred_element_type=dt,
@@ -49,9 +50,8 @@ class Experts(nnx.Module):
                 tiling=tiling,
             )
 
-        xs_MD = xs_MD.astype(dt)
-        h_MF = jax.nn.silu(mm(xs_MD, self.w_gate)) * mm(xs_MD, self.w_up)
-        return mm(h_MF, self.w_down)
+        w_gate, w_up, w_down = (w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down))
+        return swiglu_mlp(xs_MD.astype(dt), w_gate, w_up, w_down, mm, mm, backend=backend)
 
     def batched(self, x_ECD: jax.Array) -> jax.Array:
         """Fixed-capacity buffers [E, C, D] through their expert's MLP (plain einsums)."""
@@ -59,8 +59,24 @@ class Experts(nnx.Module):
         x = x_ECD.astype(dt)
         gate_ECF = jnp.einsum("ecd,edf->ecf", x, self.w_gate[...].astype(dt))
         up_ECF = jnp.einsum("ecd,edf->ecf", x, self.w_up[...].astype(dt))
-        h_ECF = jax.nn.silu(gate_ECF) * up_ECF
+        h_ECF = swiglu(gate_ECF, up_ECF)
         return jnp.einsum("ecf,efd->ecd", h_ECF, self.w_down[...].astype(dt))
+
+
+def swiglu_mlp(xs_MD, w_gate, w_up, w_down, mm_in, mm_out, *, backend, gate_up_slices=1):
+    """The SwiGLU expert MLP on rows grouped by expert, as two grouped matmuls.
+
+    Gate and up run as one gmm on [w_gate | w_up] ([E, D, 2F]): xs is read once and, under FP8,
+    quantized and kept for the backward once instead of twice (the layer's largest residual).
+    mm_in / mm_out(lhs, w) run the gmm for the input / output weights (they may all-gather
+    weight slices). gate_up_slices: how many slices of the F axis mm_in gathers; the fused
+    output columns then come as [slice, gate|up, F/slices] and are split accordingly.
+    """
+    gu = mm_in(xs_MD, jnp.concatenate([w_gate, w_up], axis=2))
+    rows = gu.shape[0]
+    gu = gu.reshape(rows, gate_up_slices, 2, -1)
+    g_MF, u_MF = (gu[:, :, i].reshape(rows, -1) for i in (0, 1))
+    return mm_out(swiglu(g_MF, u_MF, backend=backend), w_down)
 
 
 def gmm_backend(kernels: KernelsConfig) -> gmm_lib.GmmBackend:
