@@ -239,7 +239,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             f"config key {key!r}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})"
         )
 
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _build(tp, value, f"{key}.")
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:

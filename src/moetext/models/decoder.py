@@ -67,7 +67,7 @@ class DecoderLayer(nnx.Module):
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.emb_dim, eps=cfg.rms_norm_eps, param_dtype=pdt, rngs=rngs)
         if self.use_moe:
-            self.mlp = MoEBlock(
+            self.mlp: MoEBlock | SwiGLU = MoEBlock(
                 moe_cfg,
                 kernels_cfg,
                 emb_dim=cfg.emb_dim,

@@ -5,6 +5,7 @@ Legend: B batch, S sequence, V vocab. A batch is int32 tokens [B, S + 1].
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -54,7 +55,9 @@ def make_train_step(
             "lr": lr_schedule(state.step),
             **{k: v for k, v in aux.items()},
         }
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        new_state = dataclasses.replace(
+            state, step=state.step + 1, params=params, opt_state=opt_state
+        )
         return new_state, metrics
 
     return train_step

@@ -289,10 +289,10 @@ def _check_groups(op: str, group_sizes, num_local: int, group_offset):
 def _resolve(tiling: TilingArg):
     if tiling is None or callable(tiling):
         return tiling
-    tiling = tuple(int(t) for t in tiling)
-    if len(tiling) != 3 or min(tiling) <= 0:
+    tiles = tuple(int(t) for t in tiling)
+    if len(tiles) != 3 or min(tiles) <= 0:
         raise ValueError(f"tiling must be three positive ints (tm, tk, tn), got {tiling}")
-    return tiling
+    return tiles
 
 
 def _runtime_check(group_sizes, m: int) -> None:

@@ -24,7 +24,8 @@ class GmmBackend(Protocol):
     instead of wrapping the forward in its generic custom_vjp.
     """
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def gmm(
         self,

@@ -105,14 +105,15 @@ def resolve_tiling(
     tiling: TilingArg, m: int, k: int, n: int, dtype, chip: str, *, num_groups: int
 ) -> Tiling:
     """The (tm, tk, tn) for one call, clamped to (m, k, n)."""
+    given: Sequence[int]
     if tiling is None:
-        tiles = default_tiling(m, k, n, dtype, chip, num_groups=num_groups)
+        given = default_tiling(m, k, n, dtype, chip, num_groups=num_groups)
     elif callable(tiling):
-        tiles = tiling(m, k, n, jnp.dtype(dtype), chip)
+        given = tiling(m, k, n, jnp.dtype(dtype), chip)
     else:
-        tiles = tiling
+        given = tiling
     try:
-        tiles = tuple(int(t) for t in tiles)
+        tiles = tuple(int(t) for t in given)
     except TypeError as e:
         raise ValueError(f"tiling must be three positive ints (tm, tk, tn), got {tiles!r}") from e
     if len(tiles) != 3 or min(tiles) <= 0:

@@ -8,7 +8,7 @@ model builds on a laptop with no mesh; the trainer places parameters from the lo
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +28,7 @@ def as_dtype(name: str | jnp.dtype) -> jnp.dtype:
 
 def make_param(
     rngs: nnx.Rngs,
-    init: jax.nn.initializers.Initializer,
+    init: Callable[..., jax.Array],
     shape: Sequence[int],
     names: Sequence[str | None],
     param_dtype: jnp.dtype,
@@ -49,7 +49,7 @@ def _normal(key, shape, dtype, std):
     return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
 
 
-def normal(std: float) -> jax.nn.initializers.Initializer:
+def normal(std: float) -> Callable[..., jax.Array]:
     """N(0, std^2) initialiser."""
     return lambda key, shape, dtype=jnp.float32: _normal(key, tuple(shape), jnp.dtype(dtype), std)
 

@@ -74,7 +74,7 @@ class MoEBlock(nnx.Module):
         )
         if cfg.num_shared_experts > 0:
             width = cfg.shared_intermediate_size or cfg.moe_intermediate_size
-            self.shared = SwiGLU(
+            self.shared: SwiGLU | None = SwiGLU(
                 emb_dim,
                 cfg.num_shared_experts * width,
                 init_std=init_std,
