@@ -232,14 +232,7 @@ class QuantizedGmm:
     def differentiable_gmm(
         self, lhs, rhs, group_sizes, *, preferred_element_type, transpose_rhs, group_offset, tiling
     ):
-        static = (
-            self,
-            jnp.dtype(preferred_element_type),
-            bool(transpose_rhs),
-            tiling,
-            jnp.dtype(lhs.dtype),
-            jnp.dtype(rhs.dtype),
-        )
+        static = self._static(preferred_element_type, bool(transpose_rhs), tiling, lhs, rhs)
         return _qgmm(static, lhs, rhs, group_sizes, group_offset)
 
     def differentiable_gathered_gmm(
@@ -265,44 +258,27 @@ class QuantizedGmm:
         if not self.recipe.qag:
             full = gather_weight(rhs, gather, lhs.dtype)
             return self.differentiable_gmm(lhs, full, group_sizes, **kw)
-        static = (
-            self,
-            jnp.dtype(preferred_element_type),
-            bool(transpose_rhs),
-            tiling,
-            jnp.dtype(lhs.dtype),
-            jnp.dtype(rhs.dtype),
-            gather,
-        )
-        return _qag_gmm(static, lhs, rhs, group_sizes, group_offset)
+        static = self._static(preferred_element_type, bool(transpose_rhs), tiling, lhs, rhs)
+        return _qag_gmm((*static, gather), lhs, rhs, group_sizes, group_offset)
 
     def differentiable_tgmm(
         self, lhs, rhs, group_sizes, *, num_groups, preferred_element_type, group_offset, tiling
     ):
-        static = (
-            self,
-            jnp.dtype(preferred_element_type),
-            int(num_groups),
-            tiling,
-            jnp.dtype(lhs.dtype),
-            jnp.dtype(rhs.dtype),
-        )
+        static = self._static(preferred_element_type, int(num_groups), tiling, lhs, rhs)
         return _qtgmm(static, lhs, rhs, group_sizes, group_offset)
+
+    def _static(self, pet, mode, tiling, lhs, rhs) -> tuple:
+        """The custom_vjps' static argument: (self, pet, transpose_rhs or num_groups, tiling,
+        lhs dtype, rhs dtype)."""
+        return (self, jnp.dtype(pet), mode, tiling, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype))
 
 
 # --- gmm: out = lhs @ rhs[g] -------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _qgmm(static, lhs, rhs, group_sizes, group_offset):
-    return _qgmm_fwd(static, lhs, rhs, group_sizes, group_offset)[0]
-
-
-def _qgmm_fwd(static, lhs, rhs, group_sizes, group_offset):
-    qb, pet, transpose_rhs, tiling, _, _ = static
-    contract = 2 if transpose_rhs else 1
+def _forward(qb, lhs, rq, group_sizes, group_offset, transpose_rhs, tiling, pet):
+    """out = lhs @ rq[g] on FP8 operands, and lhs as the backward keeps it."""
     lrow = qb._q(lhs, 1)
-    rq = qb._q_rhs(rhs, contract)
     out = qb._mm(
         lrow,
         rq,
@@ -314,7 +290,19 @@ def _qgmm_fwd(static, lhs, rhs, group_sizes, group_offset):
     )
     # drhs = tgmm(lhs, dout) reduces over M, so a quantized backward wants lhs blocked along M;
     # a high-precision one only dequantizes it and reuses the forward's quantization.
-    lhs_res = qb._q(lhs, 0) if qb.bwd_quantize else lrow
+    return out, (qb._q(lhs, 0) if qb.bwd_quantize else lrow)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _qgmm(static, lhs, rhs, group_sizes, group_offset):
+    return _qgmm_fwd(static, lhs, rhs, group_sizes, group_offset)[0]
+
+
+def _qgmm_fwd(static, lhs, rhs, group_sizes, group_offset):
+    qb, pet, transpose_rhs, tiling, _, _ = static
+    contract = 2 if transpose_rhs else 1
+    rq = qb._q_rhs(rhs, contract)
+    out, lhs_res = _forward(qb, lhs, rq, group_sizes, group_offset, transpose_rhs, tiling, pet)
     if qb.recipe.save_rhs == "input":
         rhs_res = rhs
     elif qb.recipe.tiled_weights or not qb.bwd_quantize:
@@ -388,17 +376,7 @@ def _qag_gmm_fwd(static, lhs, rhs, group_sizes, group_offset):
         block_size=r.block_size,
         dtype=r.fwd_dtype,
     )
-    lrow = qb._q(lhs, 1)
-    out = qb._mm(
-        lrow,
-        rq,
-        group_sizes,
-        transpose_rhs=transpose_rhs,
-        group_offset=group_offset,
-        tiling=tiling,
-        pet=pet,
-    )
-    lhs_res = qb._q(lhs, 0) if qb.bwd_quantize else lrow
+    out, lhs_res = _forward(qb, lhs, rq, group_sizes, group_offset, transpose_rhs, tiling, pet)
     rhs_res = rq
     if qb.bwd_quantize and not r.tiled_weights:
         # The FP8 backward contracts N and wants blocks along it; the high-precision gathered
