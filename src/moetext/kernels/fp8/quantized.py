@@ -29,7 +29,7 @@ from moetext.kernels.fp8.qag import quantized_all_gather
 from moetext.kernels.fp8.quantize import DualQuantized, Quantized
 from moetext.kernels.fp8.recipe import Fp8Recipe
 from moetext.kernels.gmm.backend import GmmBackend
-from moetext.kernels.gmm.gather import gather_weight, psum_scatter_dims
+from moetext.kernels.gmm.gather import gather_weight, reduce_scatter_grad
 
 
 def _pad_axis(x, axis: int, size: int):
@@ -246,6 +246,7 @@ class QuantizedGmm:
         transpose_rhs,
         group_offset,
         tiling,
+        grad_reduce_dtype=None,
     ):
         """gmm on a weight slice split along `gather` (api.gmm's rhs_gather): QAG when the
         recipe asks (FP8 on the wire), else the plain compute-dtype all-gather."""
@@ -256,10 +257,11 @@ class QuantizedGmm:
             tiling=tiling,
         )
         if not self.recipe.qag:
-            full = gather_weight(rhs, gather, lhs.dtype)
+            full = gather_weight(rhs, gather, lhs.dtype, grad_reduce_dtype)
             return self.differentiable_gmm(lhs, full, group_sizes, **kw)
         static = self._static(preferred_element_type, bool(transpose_rhs), tiling, lhs, rhs)
-        return _qag_gmm((*static, gather), lhs, rhs, group_sizes, group_offset)
+        rd = None if grad_reduce_dtype is None else jnp.dtype(grad_reduce_dtype)
+        return _qag_gmm((*static, gather, rd), lhs, rhs, group_sizes, group_offset)
 
     def differentiable_tgmm(
         self, lhs, rhs, group_sizes, *, num_groups, preferred_element_type, group_offset, tiling
@@ -365,7 +367,7 @@ def _qag_gmm(static, lhs, rhs, group_sizes, group_offset):
 
 
 def _qag_gmm_fwd(static, lhs, rhs, group_sizes, group_offset):
-    qb, pet, transpose_rhs, tiling, lhs_dtype, _, gather = static
+    qb, pet, transpose_rhs, tiling, lhs_dtype, _, gather, _ = static
     r = qb.recipe
     contract = 2 if transpose_rhs else 1
     # The slice in the compute dtype, as the plain path gathers it: same FP8 numbers.
@@ -387,11 +389,11 @@ def _qag_gmm_fwd(static, lhs, rhs, group_sizes, group_offset):
 
 
 def _qag_gmm_bwd(static, res, dout):
-    qb, pet, transpose_rhs, tiling, lhs_dtype, rhs_dtype, gather = static
+    qb, pet, transpose_rhs, tiling, lhs_dtype, rhs_dtype, gather, reduce_dtype = static
     # QuantizedGmm's backward on the gathered weight (in the compute dtype, as the plain path's
     # gradient), then each shard keeps the sum over shards of its own slice.
     dlhs, drhs, _, _ = _qgmm_bwd((qb, pet, transpose_rhs, tiling, lhs_dtype, lhs_dtype), res, dout)
-    return dlhs, psum_scatter_dims(drhs.astype(rhs_dtype), gather), None, None
+    return dlhs, reduce_scatter_grad(drhs, gather, reduce_dtype, rhs_dtype), None, None
 
 
 _qag_gmm.defvjp(_qag_gmm_fwd, _qag_gmm_bwd)

@@ -38,6 +38,7 @@ def gmm(
     existing_out: jax.Array | None = None,
     checked: bool = False,
     rhs_gather: Gather | None = None,
+    grad_reduce_dtype: jnp.dtype | None = None,
 ) -> jax.Array:
     """out[rows of g] = lhs[rows of g] @ rhs[g - group_offset] for the local groups g.
 
@@ -49,7 +50,8 @@ def gmm(
     rhs_gather (inside shard_map): rhs is this shard's slice of the weights, split along the
     given (dim, mesh axes) pairs (kernels/gmm/gather.py). It is cast to lhs.dtype and
     all-gathered (a backend may gather it its own way: fp8 QAG), and its gradient is
-    reduce-scattered back to the slice in rhs's own dtype. Shapes above are the gathered ones.
+    reduce-scattered back to the slice, in `grad_reduce_dtype` (default: rhs's own dtype), and
+    returned in rhs's dtype. Shapes above are the gathered ones.
     """
     be = get_backend(backend)
     lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
@@ -83,14 +85,21 @@ def gmm(
     own_gather = getattr(be, "differentiable_gathered_gmm", None)  # fp8 QAG
     if rhs_gather and own_gather is not None:
         return _existing(
-            own_gather(lhs, rhs, group_sizes, gather=rhs_gather, **kw),
+            own_gather(
+                lhs,
+                rhs,
+                group_sizes,
+                gather=rhs_gather,
+                grad_reduce_dtype=grad_reduce_dtype,
+                **kw,
+            ),
             existing_out,
             group_sizes,
             group_offset,
             g_local,
         )
     if rhs_gather:
-        rhs = gather_weight(rhs, rhs_gather, lhs.dtype)
+        rhs = gather_weight(rhs, rhs_gather, lhs.dtype, grad_reduce_dtype)
     own = getattr(be, "differentiable_gmm", None)  # a backend that owns its autodiff (FP8)
     if own is not None:
         out = own(lhs, rhs, group_sizes, **kw)

@@ -4,6 +4,8 @@ Inside `jax.shard_map` an FSDP-sharded expert weight is a local slice; `gmm(...,
 takes that slice plus a `Gather`: the (dim, mesh axes) pairs along which the slice is split, in
 the order they are gathered. The backward reduces the weight gradient with `psum_scatter` along
 the same pairs in reverse order, so each shard ends up with the gradient of its own slice.
+The reduction runs in the slice's dtype unless a `grad_reduce_dtype` is given (bfloat16 halves
+the bytes and the full-size gradient buffer the reduction needs, at bf16 summation precision).
 
 The plain path (`gather_weight`) casts the slice to the compute dtype first, so the wire carries
 bf16 rather than f32 master weights, and reduce-scatters the gradient in the slice's own dtype
@@ -67,24 +69,33 @@ def psum_scatter_dims(x: jax.Array, gather: Gather) -> jax.Array:
     return x
 
 
-def gather_weight(w: jax.Array, gather: Gather, dtype) -> jax.Array:
-    """all_gather_dims(w.astype(dtype)); the gradient is psum_scatter'ed in w.dtype."""
+def reduce_scatter_grad(g: jax.Array, gather: Gather, reduce_dtype, w_dtype) -> jax.Array:
+    """A gathered weight's gradient -> this shard's slice: psum_scatter in reduce_dtype (None:
+    w_dtype), returned in w_dtype."""
+    rd = jnp.dtype(reduce_dtype or w_dtype)
+    return psum_scatter_dims(g.astype(rd), gather).astype(w_dtype)
+
+
+def gather_weight(w: jax.Array, gather: Gather, dtype, reduce_dtype=None) -> jax.Array:
+    """all_gather_dims(w.astype(dtype)); the gradient is psum_scatter'ed in reduce_dtype
+    (default w.dtype) and returned in w.dtype."""
     if not gather:
         return w.astype(dtype)
-    return _gather_cast(gather, jnp.dtype(dtype), jnp.dtype(w.dtype), w)
+    rd = None if reduce_dtype is None else jnp.dtype(reduce_dtype)
+    return _gather_cast(gather, jnp.dtype(dtype), jnp.dtype(w.dtype), rd, w)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _gather_cast(gather, dtype, w_dtype, w):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _gather_cast(gather, dtype, w_dtype, reduce_dtype, w):
     return all_gather_dims(w.astype(dtype), gather)
 
 
-def _gather_cast_fwd(gather, dtype, w_dtype, w):
-    return _gather_cast(gather, dtype, w_dtype, w), None
+def _gather_cast_fwd(gather, dtype, w_dtype, reduce_dtype, w):
+    return _gather_cast(gather, dtype, w_dtype, reduce_dtype, w), None
 
 
-def _gather_cast_bwd(gather, dtype, w_dtype, _, g):
-    return (psum_scatter_dims(g.astype(w_dtype), gather),)
+def _gather_cast_bwd(gather, dtype, w_dtype, reduce_dtype, _, g):
+    return (reduce_scatter_grad(g, gather, reduce_dtype, w_dtype),)
 
 
 _gather_cast.defvjp(_gather_cast_fwd, _gather_cast_bwd)

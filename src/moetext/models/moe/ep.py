@@ -209,6 +209,7 @@ def _swiglu(layout, xs_RD, weights, group_sizes_E, group_offset, kernels, dtype)
     them along `weight_gather` in the compute dtype (or as FP8 under kernels.qag).
     """
     backend = gmm_backend(kernels)
+    reduce_dtype = None if kernels.grad_reduce_dtype == "param" else kernels.grad_reduce_dtype
 
     def mm(spec):
         def run(lhs, w):
@@ -222,6 +223,7 @@ def _swiglu(layout, xs_RD, weights, group_sizes_E, group_offset, kernels, dtype)
                 checked=kernels.checked,
                 tiling=kernels.tiling,
                 rhs_gather=weight_gather(spec),
+                grad_reduce_dtype=reduce_dtype,
             )
 
         return run
