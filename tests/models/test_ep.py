@@ -119,6 +119,15 @@ for name, preset, shape in (("qag_fsdp4", "fsdp", (1, 4, 1, 1)),
     gathers = sorted(set(re.findall(r"stablehlo\.all_gather.*?->\s*tensor<[0-9x]*x(\w+)>", text)))
     res["block"][name] = {"rel": max_rel(qag, plain), "fp8_vs_f32": max_rel(plain, ref),
                           "gathers": gathers}
+# Gate and up fused into one gmm (kernels.fuse_gate_up): on one device, and under fsdp_tp where
+# the F axis is split over `tensor` (the fused output's columns come per slice).
+gd_fused = nnx.split(MoEBlock(cfg, KernelsConfig(fuse_gate_up=True), emb_dim=32, init_std=0.3,
+                              param_dtype=jnp.float32, dtype=jnp.float32,
+                              rngs=nnx.Rngs(params=0)))[0]
+res["block"]["fused_single"] = {"rel": max_rel(run_block(gd_fused)[0], ref)}
+with logical.use_rules(Mesh(np.array(jax.devices()[:4]).reshape(1, 2, 1, 2), AXES),
+                       load_preset("fsdp_tp").rules):
+    res["block"]["fused_tp"] = {"rel": max_rel(run_block(gd_fused)[0], ref)}
 # A rules context on one device keeps the plain single-shard path.
 with logical.use_rules(Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1), AXES),
                        load_preset("fsdp").rules):
@@ -335,3 +344,13 @@ def test_qag_config_switch_keeps_the_train_loss(results):
     assert qag["loss"] == fp8["loss"], (qag["loss"], fp8["loss"])
     ref = results["train"]["single"]["loss"]
     assert abs(fp8["loss"] - ref) <= 0.02 * ref, (fp8["loss"], ref)
+
+
+@pytest.mark.parametrize("name", ["fused_single", "fused_tp"])
+def test_fused_gate_up_matches_separate_gmms(results, name):
+    # One gmm on [w_gate | w_up] instead of two: the same products, f32 rounding apart (the
+    # dlhs sums 2F columns in one dot); under fsdp_tp the gathered columns come per tensor slice.
+    rel = results["block"][name]["rel"]
+    bad = {k: v for k, v in rel.items() if not v <= REL_TOL}
+    assert not bad, bad
+    assert any(k.startswith("grad_experts.w_up") for k in rel)

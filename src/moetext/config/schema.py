@@ -97,6 +97,10 @@ class KernelsConfig:
     """FP8 only: quantize the output gradient; auto = only where a native FP8 kernel exists."""
     qag: bool = False
     """FP8 only: quantized all-gather of sharded expert weights (FP8 on the wire, not bf16)."""
+    fuse_gate_up: bool | Literal["auto"] = "auto"
+    """Run the experts' gate and up projections as one gmm on [w_gate | w_up]: xs is quantized
+    and kept once (FP8 residuals), but the FSDP step holds one [E, D, 2F] weight gradient
+    (more peak memory). auto = fused exactly when kernels.quantization is on."""
     grad_reduce_dtype: Literal["param", "bfloat16"] = "param"
     """dtype of the reduce-scatter of sharded expert-weight gradients: param (the weights'
     dtype, f32 by default) or bfloat16 (half the bytes and the full-size gradient buffer)."""

@@ -14,7 +14,7 @@ from moetext.config.schema import KernelsConfig, MoEConfig
 from moetext.models.layers.mlp import SwiGLU
 from moetext.models.moe import dispatch as dsp
 from moetext.models.moe import ep
-from moetext.models.moe.experts import Experts, gmm_backend
+from moetext.models.moe.experts import Experts, fuse_gate_up, gmm_backend
 from moetext.models.moe.router import Router, load_balance_loss, route, router_z_loss
 
 DISPATCH_MODES = ("dropless", "capacity")
@@ -118,6 +118,7 @@ class MoEBlock(nnx.Module):
             xs_MD,
             group_sizes_E,
             backend=gmm_backend(self.kernels),
+            fused=fuse_gate_up(self.kernels),
             checked=self.kernels.checked,
             tiling=self.kernels.tiling,
         )

@@ -44,7 +44,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from moetext.kernels import gmm as gmm_lib
 from moetext.models.moe import dispatch as dsp
-from moetext.models.moe.experts import gmm_backend, swiglu_mlp
+from moetext.models.moe.experts import fuse_gate_up, gmm_backend, swiglu_mlp
 from moetext.sharding import logical
 
 # Logical names of the expert weights (models/moe/experts.py creates them with these).
@@ -240,6 +240,7 @@ def _swiglu(layout, xs_RD, weights, group_sizes_E, group_offset, kernels, dtype)
         mm(w_in),
         mm(layout.w_out_spec),
         backend=backend,
+        fused=fuse_gate_up(kernels),
         gate_up_slices=slices,
     )
 

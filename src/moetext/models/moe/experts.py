@@ -35,7 +35,9 @@ class Experts(nnx.Module):
         self.w_up = make_param(rngs, init, (e, d, f), ("exp", "embed", "mlp_moe"), param_dtype)
         self.w_down = make_param(rngs, init, (e, f, d), ("exp", "mlp_moe", "embed"), param_dtype)
 
-    def grouped(self, xs_MD, group_sizes_E, *, backend, checked=False, tiling=None) -> jax.Array:
+    def grouped(
+        self, xs_MD, group_sizes_E, *, backend, fused=False, checked=False, tiling=None
+    ) -> jax.Array:
         """Rows sorted by expert (group_sizes_E of them per expert) through their expert's MLP."""
         dt = self.dtype
 
@@ -51,7 +53,9 @@ class Experts(nnx.Module):
             )
 
         w_gate, w_up, w_down = (w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down))
-        return swiglu_mlp(xs_MD.astype(dt), w_gate, w_up, w_down, mm, mm, backend=backend)
+        return swiglu_mlp(
+            xs_MD.astype(dt), w_gate, w_up, w_down, mm, mm, backend=backend, fused=fused
+        )
 
     def batched(self, x_ECD: jax.Array) -> jax.Array:
         """Fixed-capacity buffers [E, C, D] through their expert's MLP (plain einsums)."""
@@ -63,20 +67,32 @@ class Experts(nnx.Module):
         return jnp.einsum("ecf,efd->ecd", h_ECF, self.w_down[...].astype(dt))
 
 
-def swiglu_mlp(xs_MD, w_gate, w_up, w_down, mm_in, mm_out, *, backend, gate_up_slices=1):
-    """The SwiGLU expert MLP on rows grouped by expert, as two grouped matmuls.
+def swiglu_mlp(xs_MD, w_gate, w_up, w_down, mm_in, mm_out, *, backend, fused, gate_up_slices=1):
+    """The SwiGLU expert MLP on rows grouped by expert.
 
-    Gate and up run as one gmm on [w_gate | w_up] ([E, D, 2F]): xs is read once and, under FP8,
-    quantized and kept for the backward once instead of twice (the layer's largest residual).
+    fused: gate and up run as one gmm on [w_gate | w_up] ([E, D, 2F]): xs is read once and,
+    under FP8, quantized and kept for the backward once instead of twice (the layer's largest
+    residual), but the weight gradient is one [E, D, 2F] array, which in the FSDP train step
+    costs more peak memory than two [E, D, F] ones (docs/performance.md). Unfused: three gmms.
     mm_in / mm_out(lhs, w) run the gmm for the input / output weights (they may all-gather
     weight slices). gate_up_slices: how many slices of the F axis mm_in gathers; the fused
     output columns then come as [slice, gate|up, F/slices] and are split accordingly.
     """
+    if not fused:
+        h_MF = swiglu(mm_in(xs_MD, w_gate), mm_in(xs_MD, w_up), backend=backend)
+        return mm_out(h_MF, w_down)
     gu = mm_in(xs_MD, jnp.concatenate([w_gate, w_up], axis=2))
     rows = gu.shape[0]
     gu = gu.reshape(rows, gate_up_slices, 2, -1)
     g_MF, u_MF = (gu[:, :, i].reshape(rows, -1) for i in (0, 1))
     return mm_out(swiglu(g_MF, u_MF, backend=backend), w_down)
+
+
+def fuse_gate_up(kernels: KernelsConfig) -> bool:
+    """kernels.fuse_gate_up resolved: "auto" fuses exactly when the gmm quantizes (FP8)."""
+    if kernels.fuse_gate_up == "auto":
+        return kernels.quantization != "none"
+    return bool(kernels.fuse_gate_up)
 
 
 def gmm_backend(kernels: KernelsConfig) -> gmm_lib.GmmBackend:
