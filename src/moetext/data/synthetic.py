@@ -5,8 +5,8 @@ from the data seed), with a small probability of a uniformly random token. A mod
 the chain, so the loss falls towards the chain's entropy; a batch is a pure function of
 (seed, split, step), which makes resume exact: the data position is the step counter.
 
-Shapes: B global batch, S sequence length; a batch holds S + 1 tokens per row so that
-inputs = tokens[:, :-1] and targets = tokens[:, 1:].
+Shapes: B global batch, S sequence length; a batch (moetext.data.batch) holds S + 1 tokens
+per row so that inputs = tokens[:, :-1] and targets = tokens[:, 1:]; each row is one document.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from moetext.config import DataConfig
+from moetext.data.batch import Batch, from_tokens
 
 _SUCCESSORS = 4  # likely next tokens per token
 _NOISE = 0.1  # probability of a uniformly random token instead of a chain step
@@ -21,7 +22,7 @@ _SPLITS = {"train": 0, "eval": 1}
 
 
 class SyntheticData:
-    """Global batches of int32 tokens [B, S + 1], indexed by step."""
+    """Global batches (tokens, segment_ids, positions; int32 [B, S + 1]), indexed by step."""
 
     def __init__(self, cfg: DataConfig, vocab_size: int):
         if vocab_size < 2:
@@ -34,7 +35,10 @@ class SyntheticData:
         p = np.array([0.55, 0.25, 0.12, 0.08])[:_SUCCESSORS]
         self.successor_cdf = np.cumsum(p / p.sum())
 
-    def batch(self, step: int, split: str = "train") -> np.ndarray:
+    def batch(self, step: int, split: str = "train") -> Batch:
+        return from_tokens(self.tokens(step, split))
+
+    def tokens(self, step: int, split: str = "train") -> np.ndarray:
         if split not in _SPLITS:
             raise ValueError(f"unknown data split {split!r}; valid: {list(_SPLITS)}")
         b, s = self.cfg.global_batch_size, self.cfg.seq_len

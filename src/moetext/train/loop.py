@@ -190,10 +190,12 @@ def _maybe_resume(b: Built, ckpt: Checkpointer | None) -> TrainState:
     return state
 
 
-def put_batch(tokens_BS1: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    # Every process computes the same global batch (cheap for synthetic data) and hands each
-    # addressable device its rows, which also works across hosts.
-    return jax.make_array_from_callback(tokens_BS1.shape, sharding, lambda idx: tokens_BS1[idx])
+def put_batch(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
+    """A global batch (moetext.data.batch) as sharded arrays: each device gets its rows."""
+    return {
+        k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+        for k, v in batch.items()
+    }
 
 
 def _evaluate(eval_step, params, data, put, num_batches: int) -> dict[str, float]:

@@ -1,0 +1,34 @@
+"""The batch every input pipeline yields and every step consumes.
+
+A batch is a dict of int32 arrays, each [B, S + 1] (B global rows, S = data.seq_len):
+
+- `tokens`: token ids; the step predicts tokens[:, 1:] from tokens[:, :-1].
+- `segment_ids`: which document of the row a token belongs to (1, 2, ... in row order);
+  0 marks padding. Attention never crosses segments.
+- `positions`: the token's position inside its document (RoPE positions). A document that
+  continues from the previous row keeps counting.
+
+A target counts in the loss only when it is not padding and belongs to the same segment as
+its input token, so no token is predicted from another document's context.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+KEYS = ("tokens", "segment_ids", "positions")
+
+Batch = dict[str, np.ndarray]
+
+
+def from_tokens(tokens_BS1: np.ndarray) -> Batch:
+    """One document per row, no padding: segment 1 everywhere, positions 0..S."""
+    tokens_BS1 = np.asarray(tokens_BS1, np.int32)
+    if tokens_BS1.ndim != 2:
+        raise ValueError(f"tokens must be [B, S + 1], got shape {tokens_BS1.shape}")
+    b, s1 = tokens_BS1.shape
+    return {
+        "tokens": tokens_BS1,
+        "segment_ids": np.ones((b, s1), np.int32),
+        "positions": np.broadcast_to(np.arange(s1, dtype=np.int32), (b, s1)).copy(),
+    }
