@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 # Only describes a topology, never opens a TPU: don't contend for libtpu's one-process lock.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 import moetext  # noqa: E402,F401  (platform defaults before jax is imported)
 from moetext.models.flops import flops_per_token  # noqa: E402
 from moetext.train import loop  # noqa: E402
+from moetext.train.step import abstract_batch  # noqa: E402
 
 GiB = 1024**3
 # HBM per chip, GiB, by the topology name's generation prefix.
@@ -179,11 +179,9 @@ def collectives(hlo_text: str, *, by: str = "dtype") -> dict[tuple[str, str], di
 def compile_step(cfg, devices):
 
     b = loop.build(cfg, devices, abstract=True)
-    tokens = jax.ShapeDtypeStruct(
-        (cfg.data.global_batch_size, cfg.data.seq_len + 1), jnp.int32, sharding=b.batch_sharding
-    )
+    batch = abstract_batch(cfg.data.global_batch_size, cfg.data.seq_len, b.batch_sharding)
     t0 = time.perf_counter()
-    lowered = loop.lower_checked(b, loop.jit_train_step(b), b.state, tokens)
+    lowered = loop.lower_checked(b, loop.jit_train_step(b), b.state, batch)
     t1 = time.perf_counter()
     compiled = lowered.compile()
     return b, compiled, t1 - t0, time.perf_counter() - t1

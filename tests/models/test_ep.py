@@ -174,8 +174,9 @@ for name, over in train.items():
     if single:
         params0, rest0 = b.state.params, b.rest
     p = jax.device_put(params0, b.state_shardings.params)
-    tokens = data_lib.build(c.data, c.model.vocab_size).batch(0)
-    batch = jax.make_array_from_callback(tokens.shape, b.batch_sharding, lambda i: tokens[i])
+    data = data_lib.build(c.data, c.model.vocab_size)
+    batch = loop.put_batch(data.next_batch(), b.batch_sharding)
+    data.close()
     fn = jax.jit(lambda p, t: make_loss_fn(b.graphdef, rest0)(p, t)[0])
     lowered = loop.lower_checked(b, fn, p, batch)
     res["train"][name] = {"loss": float(lowered.compile()(p, batch)),

@@ -16,6 +16,7 @@ from moetext import config
 from moetext.config import ConfigError
 from moetext.sharding import logical, mesh, plan, rules
 from moetext.train import loop
+from moetext.train.step import abstract_batch
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 TINY = os.path.join(os.path.dirname(__file__), "../../configs/models/tiny-qwen3-moe.yml")
@@ -213,9 +214,9 @@ def test_param_logical_name_without_rule_names_axis_and_param(tmp_path):
 def test_activation_logical_name_without_rule_is_an_error(tmp_path):
     cfg = load(f"sharding.preset={_preset_without(tmp_path, 'length')}", "sharding.mesh.fsdp=1")
     b = loop.build(cfg, jax.devices()[:1], abstract=True)
-    tokens = jax.ShapeDtypeStruct((8, 65), "int32", sharding=b.batch_sharding)
+    batch = abstract_batch(8, 64, b.batch_sharding)
     with pytest.raises(ConfigError, match=r"logical axis 'length' of an activation constraint"):
-        loop.lower_checked(b, loop.jit_train_step(b), b.state, tokens)
+        loop.lower_checked(b, loop.jit_train_step(b), b.state, batch)
 
 
 def test_recording_restores_the_lookup():

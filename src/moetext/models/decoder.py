@@ -86,9 +86,9 @@ class DecoderLayer(nnx.Module):
                 rngs=rngs,
             )
 
-    def __call__(self, x_BSD, cos_BSH, sin_BSH):
+    def __call__(self, x_BSD, cos_BSH, sin_BSH, segment_ids_BS=None):
         x_BSD = constrain(x_BSD, ACT_NAMES)
-        h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_BSH, sin_BSH)
+        h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_BSH, sin_BSH, segment_ids_BS)
         if self.use_moe:
             y_BSD, aux = self.mlp(self.mlp_norm(h_BSD))
         else:
@@ -109,14 +109,19 @@ def _remat(fn, policy: str, *, in_scan: bool):
 
 
 def _layer_step(graphdef, policy: str, *, in_scan: bool):
-    def step(x_BSD, state, cos_BSH, sin_BSH):
-        return nnx.merge(graphdef, state)(x_BSD, cos_BSH, sin_BSH)
+    def step(x_BSD, state, cos_BSH, sin_BSH, segment_ids_BS):
+        return nnx.merge(graphdef, state)(x_BSD, cos_BSH, sin_BSH, segment_ids_BS)
 
     return _remat(step, policy, in_scan=in_scan)
 
 
 class Decoder(nnx.Module):
     """tokens_BS -> (logits_BSV float32, aux).
+
+    positions_BS (default 0..S-1 in every row) are the RoPE positions. segment_ids_BS (default
+    None: one document per row, causal attention only) marks packed documents, 1, 2, ... in row
+    order and 0 for padding: a token attends only to earlier tokens of its own segment, so each
+    document's logits are those of the document run alone (at its positions).
 
     aux: float32 scalars moe_loss (weighted, ready to add to the CE loss), load_balance_loss,
     router_z_loss, dropped_fraction; each is the mean over MoE layers (zeros with none).
@@ -171,7 +176,13 @@ class Decoder(nnx.Module):
                 rngs, init, (cfg.vocab_size, cfg.emb_dim), ("vocab", "embed"), pdt
             )
 
-    def __call__(self, tokens_BS: jax.Array, *, positions_BS: jax.Array | None = None):
+    def __call__(
+        self,
+        tokens_BS: jax.Array,
+        *,
+        positions_BS: jax.Array | None = None,
+        segment_ids_BS: jax.Array | None = None,
+    ):
         cfg = self.cfg
         if tokens_BS.ndim != 2 or not jnp.issubdtype(tokens_BS.dtype, jnp.integer):
             raise ValueError(
@@ -182,9 +193,13 @@ class Decoder(nnx.Module):
             positions_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         elif positions_BS.shape != tokens_BS.shape:
             raise ValueError(f"positions {positions_BS.shape} must match tokens {tokens_BS.shape}")
+        if segment_ids_BS is not None and segment_ids_BS.shape != tokens_BS.shape:
+            raise ValueError(
+                f"segment_ids {segment_ids_BS.shape} must match tokens {tokens_BS.shape}"
+            )
         cos_BSH, sin_BSH = rope_cos_sin(positions_BS, cfg.head_dim, cfg.rope_theta)
         x_BSD = jnp.take(self.embed[...], tokens_BS, axis=0).astype(self.dtype)
-        x_BSD, aux_sum = self._run_layers(x_BSD, cos_BSH, sin_BSH)
+        x_BSD, aux_sum = self._run_layers(x_BSD, cos_BSH, sin_BSH, segment_ids_BS)
         x_BSD = self.final_norm(x_BSD)
         head_VD = self.embed[...] if cfg.tie_embeddings else self.lm_head[...]
         # Logits come out in the compute dtype and the loss upcasts them to f32 (MaxText's
@@ -195,21 +210,24 @@ class Decoder(nnx.Module):
         n = max(self.num_moe_layers, 1)
         return logits_BSV, {key: aux_sum[key] / n for key in AUX_KEYS}
 
-    def _run_layers(self, x_BSD, cos_BSH, sin_BSH):
+    def _run_layers(self, x_BSD, cos_BSH, sin_BSH, segment_ids_BS):
         policy = self.cfg.remat_policy
         aux_sum = zero_aux()
         if self.cfg.scan_layers:
             for stack in self.stacks:
                 graphdef, state = nnx.split(stack)
                 step = _layer_step(graphdef, policy, in_scan=True)
-                body = lambda x, st, step=step: step(x, st, cos_BSH, sin_BSH)  # noqa: B023
+
+                def body(x, st, step=step):
+                    return step(x, st, cos_BSH, sin_BSH, segment_ids_BS)
+
                 x_BSD, aux_L = jax.lax.scan(body, x_BSD, state)
                 aux_sum = {k: aux_sum[k] + jnp.sum(aux_L[k]) for k in AUX_KEYS}
         else:
             for layer in self.layers:
                 graphdef, state = nnx.split(layer)
                 x_BSD, aux = _layer_step(graphdef, policy, in_scan=False)(
-                    x_BSD, state, cos_BSH, sin_BSH
+                    x_BSD, state, cos_BSH, sin_BSH, segment_ids_BS
                 )
                 aux_sum = {k: aux_sum[k] + aux[k] for k in AUX_KEYS}
         return x_BSD, aux_sum

@@ -1,8 +1,8 @@
 """Model families by name: `build(model_cfg, moe_cfg, kernels_cfg, rngs=...)` picks the builder.
 
 A family is a function (model_cfg, moe_cfg, kernels_cfg, rngs) -> nnx.Module whose __call__ is
-`(tokens_BS, *, positions_BS=None) -> (logits_BSV float32, aux dict)`. Adding one is one
-`register_family` call.
+`(tokens_BS, *, positions_BS=None, segment_ids_BS=None) -> (logits_BSV float32, aux dict)`
+(see Decoder). Adding one is one `register_family` call.
 """
 
 from __future__ import annotations

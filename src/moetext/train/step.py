@@ -1,6 +1,7 @@
 """The jitted train and eval steps: loss + grads + update, metrics out.
 
-Legend: B batch, S sequence, V vocab. A batch is int32 tokens [B, S + 1].
+Legend: B batch, S sequence, V vocab. A batch (moetext.data.batch) is a dict of int32 tokens,
+segment_ids and positions, each [B, S + 1]: inputs are [:, :-1], targets tokens[:, 1:].
 """
 
 from __future__ import annotations
@@ -13,23 +14,42 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import Sharding
 
+from moetext.data.batch import KEYS, target_mask
 from moetext.train.state import TrainState
 
+Batch = dict[str, jax.Array]
 
-def cross_entropy(logits_BSV: jax.Array, targets_BS: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy with an f32 log-softmax."""
+
+def masked_nll(
+    logits_BSV: jax.Array, targets_BS: jax.Array, mask_BS: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """(sum of the counted targets' NLL, their number), both f32, with an f32 log-softmax."""
     logp_BSV = jax.nn.log_softmax(logits_BSV.astype(jnp.float32), axis=-1)
     nll_BS = -jnp.take_along_axis(logp_BSV, targets_BS[..., None], axis=-1)[..., 0]
-    return nll_BS.mean()
+    mask_BS = mask_BS.astype(jnp.float32)
+    return jnp.sum(nll_BS * mask_BS), jnp.sum(mask_BS)
 
 
 def make_loss_fn(graphdef: nnx.GraphDef, rest: nnx.State) -> Callable:
-    def loss_fn(params: nnx.State, tokens_BS1: jax.Array):
+    """loss_fn(params, batch) -> (ce + moe_loss, (ce, aux, nll_sum, count)).
+
+    ce is the mean NLL over the counted targets: not padding, and in the same segment as their
+    input token (a document's first token is not predicted from the previous document).
+    """
+
+    def loss_fn(params: nnx.State, batch: Batch):
         model = nnx.merge(graphdef, params, rest)
-        logits_BSV, aux = model(tokens_BS1[:, :-1])
-        ce = cross_entropy(logits_BSV, tokens_BS1[:, 1:])
-        return ce + aux["moe_loss"], (ce, aux)
+        tokens_BS1, seg_BS1 = batch["tokens"], batch["segment_ids"]
+        logits_BSV, aux = model(
+            tokens_BS1[:, :-1],
+            positions_BS=batch["positions"][:, :-1],
+            segment_ids_BS=seg_BS1[:, :-1],
+        )
+        nll_sum, count = masked_nll(logits_BSV, tokens_BS1[:, 1:], target_mask(batch))
+        ce = nll_sum / jnp.maximum(count, 1.0)
+        return ce + aux["moe_loss"], (ce, aux, nll_sum, count)
 
     return loss_fn
 
@@ -39,12 +59,12 @@ def make_train_step(
     rest: nnx.State,
     tx: optax.GradientTransformation,
     lr_schedule: optax.Schedule,
-) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, Any]]]:
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, Any]]]:
     loss_fn = make_loss_fn(graphdef, rest)
 
-    def train_step(state: TrainState, tokens_BS1: jax.Array):
-        (loss, (ce, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state.params, tokens_BS1
+    def train_step(state: TrainState, batch: Batch):
+        (loss, (ce, aux, _, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state.params, batch
         )
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -64,10 +84,25 @@ def make_train_step(
 
 
 def make_eval_step(graphdef: nnx.GraphDef, rest: nnx.State) -> Callable:
+    """eval_step(params, batch): eval_loss (ce + moe_loss) and eval_ce_loss of the batch, and
+    eval_nll_sum / eval_tokens for a token-weighted CE (perplexity) across batches."""
     loss_fn = make_loss_fn(graphdef, rest)
 
-    def eval_step(params: nnx.State, tokens_BS1: jax.Array):
-        loss, (ce, aux) = loss_fn(params, tokens_BS1)
-        return {"eval_loss": loss, "eval_ce_loss": ce}
+    def eval_step(params: nnx.State, batch: Batch):
+        loss, (ce, _, nll_sum, count) = loss_fn(params, batch)
+        return {
+            "eval_loss": loss,
+            "eval_ce_loss": ce,
+            "eval_nll_sum": nll_sum,
+            "eval_tokens": count,
+        }
 
     return eval_step
+
+
+def abstract_batch(batch_size: int, seq_len: int, sharding: Sharding) -> dict[str, Any]:
+    """The batch as ShapeDtypeStructs (int32 [B, S + 1] each) for ahead-of-time lowering."""
+    return {
+        k: jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32, sharding=sharding)
+        for k in KEYS
+    }

@@ -16,10 +16,18 @@ from moetext.models.layers.params import as_dtype, make_param, normal
 from moetext.models.layers.rope import apply_rope
 
 
-def attend(q_BSNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) -> jax.Array:
+def attend(
+    q_BSNH: jax.Array,
+    k_BTKH: jax.Array,
+    v_BTKH: jax.Array,
+    segment_ids_BS: jax.Array | None = None,
+) -> jax.Array:
     """Causal GQA softmax(q k^T / sqrt(H)) v with f32 scores; returns [B, S, N, H] in q's dtype.
 
-    Causality is by index (query s sees keys t <= s); positions only feed RoPE.
+    Causality is by index (query s sees keys t <= s); positions only feed RoPE. With
+    segment_ids_BS (self-attention, S == T) a query also sees only keys of its own segment,
+    and no key of segment 0 (padding); a padding query sees nothing (its output is junk that
+    the loss masks out).
     """
     b, s, n, h = q_BSNH.shape
     kv = k_BTKH.shape[2]
@@ -29,8 +37,13 @@ def attend(q_BSNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) -> jax.Array
     ) / jnp.sqrt(jnp.float32(h))
     t = k_BTKH.shape[1]
     causal_ST = jnp.arange(s)[:, None] >= jnp.arange(t)[None, :]
+    mask = causal_ST
+    if segment_ids_BS is not None:
+        q_seg_BS1, k_seg_B1T = segment_ids_BS[:, :, None], segment_ids_BS[:, None, :]
+        mask_BST = causal_ST & (q_seg_BS1 == k_seg_B1T) & (k_seg_B1T != 0)
+        mask = mask_BST[:, None, None]  # [B, 1, 1, S, T]: fused into the select below
     # A large finite negative (not -inf) keeps fully masked rows NaN-free under autodiff.
-    scores_BKGST = jnp.where(causal_ST, scores_BKGST, jnp.finfo(jnp.float32).min)
+    scores_BKGST = jnp.where(mask, scores_BKGST, jnp.finfo(jnp.float32).min)
     probs_BKGST = jax.nn.softmax(scores_BKGST, axis=-1).astype(v_BTKH.dtype)
     out_BSKGH = jnp.einsum("bkgst,btkh->bskgh", probs_BKGST, v_BTKH)
     return out_BSKGH.reshape(b, s, n, h)
@@ -55,7 +68,13 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(h, eps=cfg.rms_norm_eps, param_dtype=pdt, rngs=rngs)
             self.k_norm = RMSNorm(h, eps=cfg.rms_norm_eps, param_dtype=pdt, rngs=rngs)
 
-    def __call__(self, x_BSD: jax.Array, cos_BSH: jax.Array, sin_BSH: jax.Array) -> jax.Array:
+    def __call__(
+        self,
+        x_BSD: jax.Array,
+        cos_BSH: jax.Array,
+        sin_BSH: jax.Array,
+        segment_ids_BS: jax.Array | None = None,
+    ) -> jax.Array:
         x = x_BSD.astype(self.dtype)
         q_BSNH = jnp.einsum("bsd,dnh->bsnh", x, self.w_q[...].astype(self.dtype))
         k_BSKH = jnp.einsum("bsd,dkh->bskh", x, self.w_k[...].astype(self.dtype))
@@ -64,5 +83,5 @@ class Attention(nnx.Module):
             q_BSNH, k_BSKH = self.q_norm(q_BSNH), self.k_norm(k_BSKH)
         q_BSNH = apply_rope(q_BSNH, cos_BSH, sin_BSH)
         k_BSKH = apply_rope(k_BSKH, cos_BSH, sin_BSH)
-        out_BSNH = attend(q_BSNH, k_BSKH, v_BSKH)
+        out_BSNH = attend(q_BSNH, k_BSKH, v_BSKH, segment_ids_BS)
         return jnp.einsum("bsnh,nhd->bsd", out_BSNH, self.w_o[...].astype(self.dtype))
