@@ -10,6 +10,11 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 # Parallel test workers (pytest -n) each load libtpu for AOT compiles; without this the
 # second one fails on libtpu's lockfile.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# The embedded corpus (data.name=python_docs, used by the tiny config) is prepared once per
+# checkout here, not in the user's cache; xdist workers and subprocesses share it (file lock).
+os.environ.setdefault(
+    "MOETEXT_DATA_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache/moetext_data")
+)
 
 import moetext  # noqa: E402,F401  (sets platform defaults before jax initialises)
 

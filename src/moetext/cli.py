@@ -56,4 +56,11 @@ def main(argv: list[str] | None = None) -> int:
             ),
             flush=True,
         )
+        if "eval_ce_loss" in last:
+            print(
+                f"eval: cross-entropy {last['eval_ce_loss']:.3f} nats/token (perplexity "
+                f"{last['eval_perplexity']:.1f}) vs {last['eval_unigram_entropy']:.3f} for the "
+                f"best unigram model of the same tokens",
+                flush=True,
+            )
     return 0

@@ -58,18 +58,16 @@ def run_setting(name: str, overrides: list[str]) -> dict:
     devices = jax.devices()[:1] if name == "single" else jax.devices()
     b = loop.build(cfg, devices)
     data = data_lib.build(cfg.data, cfg.model.vocab_size)
-    batches = [
-        jax.make_array_from_callback(t.shape, b.batch_sharding, lambda idx, t=t: t[idx])
-        for t in (data.batch(i) for i in range(3))
-    ]
+    batches = [loop.put_batch(data.next_batch(), b.batch_sharding) for _ in range(3)]
+    data.close()
     grad_fn = jax.value_and_grad(make_loss_fn(b.graphdef, b.rest), has_aux=True)
     train_step = make_train_step(b.graphdef, b.rest, b.tx, b.lr_schedule)
 
-    def step_and_grads(state, tokens):
+    def step_and_grads(state, batch):
         # One compile per setting: the real train step, plus the gradients it takes (XLA
         # shares the forward/backward between the two outputs).
-        (loss, _), grads = grad_fn(state.params, tokens)
-        new_state, metrics = train_step(state, tokens)
+        (loss, _), grads = grad_fn(state.params, batch)
+        new_state, metrics = train_step(state, batch)
         return new_state, metrics, loss, grads
 
     jitted = jax.jit(

@@ -20,7 +20,7 @@ def restore(run_dir: str):
     b = loop.build(cfg)
     ckpt = Checkpointer(cfg.checkpoint, run_dir)
     step = ckpt.latest_step()
-    state, _ = ckpt.restore(step, abstract_like(b.state))
+    state, _, _ = ckpt.restore(step, abstract_like(b.state))
     ckpt.close()
     return step, jax.tree.map(np.asarray, jax.device_get(state.params))
 

@@ -11,19 +11,23 @@ from moetext.data import SyntheticData
 
 def test_synthetic_batches_are_deterministic_and_split():
     d = SyntheticData(DataConfig(seq_len=32, global_batch_size=4, seed=3), vocab_size=100)
-    a, b = d.batch(7), SyntheticData(d.cfg, 100).batch(7)
+    a, b = d.tokens(7), SyntheticData(d.cfg, 100).tokens(7)
     np.testing.assert_array_equal(a, b)
     assert a.shape == (4, 33) and a.dtype == np.int32
     assert (a >= 0).all() and (a < 100).all()
-    assert not np.array_equal(d.batch(7), d.batch(8))
-    assert not np.array_equal(d.batch(7), d.batch(7, split="eval"))
+    assert not np.array_equal(d.tokens(7), d.tokens(8))
+    assert not np.array_equal(d.tokens(7), d.tokens(7, split="eval"))
     with pytest.raises(ValueError, match="unknown data split 'test'"):
-        d.batch(0, split="test")
+        d.tokens(0, split="test")
+    batch = d.batch(7)  # one document per row: segment 1, positions 0..S
+    np.testing.assert_array_equal(batch["tokens"], a)
+    assert (batch["segment_ids"] == 1).all()
+    np.testing.assert_array_equal(batch["positions"][2], np.arange(33))
 
 
 def test_synthetic_data_follows_its_chain():
     d = SyntheticData(DataConfig(seq_len=256, global_batch_size=8), vocab_size=64)
-    t = d.batch(0)
+    t = d.tokens(0)
     follows = d.successors_VN[t[:, :-1]] == t[:, 1:, None]
     # 90% chain steps (+ noise that lands on a successor by chance): at least 88% in the chain.
     assert follows.any(-1).mean() > 0.88

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from moetext import config, train
+from moetext import data as data_lib
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs/models/tiny-qwen3-moe.yml"
@@ -21,24 +22,28 @@ def _losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def test_tiny_config_trains_and_loss_falls(tmp_path):
+def test_tiny_config_trains_on_text_below_the_unigram_entropy(tmp_path):
+    # The README's first command, shortened from 300 to 200 steps: the embedded corpus
+    # (python_docs), a 512-piece sentencepiece tokenizer, packed rows.
     cfg = config.load(
         TINY,
         [
             *QUIET,
             f"train.run_dir={tmp_path}",
-            "train.steps=60",
-            "train.log_every=5",
+            "train.steps=200",
+            "train.log_every=10",
             "checkpoint.enabled=false",
         ],
     )
+    assert cfg.data.kind == "tfds" and cfg.data.name == "python_docs"
     last = train.run(cfg)
     losses = _losses(tmp_path)
-    first = losses[5]
-    # Synthetic Markov data: log(512)=6.24 nats at init, chain entropy ~1.96. In 60 steps the
-    # tiny model must learn a good part of the bigram table: demand a drop of at least 1.5 nats
-    # from step 5 (measured: ~6.2 -> ~4.0 by step 60).
-    assert last["loss"] < first - 1.5, losses
+    # log(512) = 6.24 nats at init. Measured at step 200: eval CE 3.97 nats against 4.72 for
+    # the best unigram model of the eval tokens themselves (the model uses context). Demand
+    # 0.4 nats below that floor, and a 1.5-nat drop of the training loss from step 10.
+    assert last["eval_ce_loss"] < last["eval_unigram_entropy"] - 0.4, last
+    assert last["eval_perplexity"] == pytest.approx(np.exp(last["eval_ce_loss"]), rel=1e-5)
+    assert last["loss"] < losses[10] - 1.5, losses
     assert np.isfinite(list(losses.values())).all()
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     logged = [r for r in rows if "loss" in r]
@@ -46,11 +51,17 @@ def test_tiny_config_trains_and_loss_falls(tmp_path):
         assert key in logged[-1], key
     assert (tmp_path / "config.yml").exists()
     assert config.load(tmp_path / "config.yml") == cfg
+    # The run is self-contained: its tokenizer was copied in and loads.
+    from moetext.data.tokenizer import load_tokenizer
+
+    assert load_tokenizer(str(tmp_path / "tokenizer")).vocab_size == 512
 
 
-def test_resume_gives_identical_losses(tmp_path):
+@pytest.mark.parametrize("kind", ["tfds", "synthetic"])
+def test_resume_gives_identical_losses(tmp_path, kind):
     common = [
         *QUIET,
+        f"data.kind={kind}",
         "train.log_every=1",
         "checkpoint.every=10",
         "checkpoint.async_save=true",
@@ -67,7 +78,27 @@ def test_resume_gives_identical_losses(tmp_path):
     a, b = _losses(straight), _losses(resumed)
     assert sorted(b) == list(range(1, 21))
     # Same compiled program, same data position and optimizer state: bit-identical losses.
+    # On text this also means the same packed rows: the stream positions saved at step 10
+    # resume exactly where the uninterrupted run was.
     assert [a[s] for s in range(1, 21)] == [b[s] for s in range(1, 21)]
+    saved = json.loads((resumed / "checkpoints/20/data/process_0-of-1.json").read_text())
+    assert saved["kind"] == kind
+
+
+def test_data_errors_come_before_compiling(tmp_path):
+    base = [*QUIET, f"train.run_dir={tmp_path}", "data.kind=tfds"]
+    missing = config.load(TINY, [*base, "data.name=nope", f"data.data_dir={tmp_path}"])
+    with pytest.raises(config.ConfigError, match="python -m moetext.data.prepare") as e:
+        train.run(missing)
+    assert f"--name nope --data_dir {tmp_path}" in str(e.value)
+    _, tok512 = data_lib.resolve_tfds(config.load(TINY).data, 512)
+    small = config.load(
+        TINY,
+        [*base, "data.name=python_docs", f"data.tokenizer={tok512.path}", "model.vocab_size=300"],
+    )
+    with pytest.raises(config.ConfigError, match=r"has 512 pieces but model.vocab_size=300"):
+        train.run(small)
+    assert not (tmp_path / "checkpoints").exists()
 
 
 def _run_until(cfg, stop_after: int):
@@ -76,16 +107,19 @@ def _run_until(cfg, stop_after: int):
 
     real = loop.data_lib.build
 
-    def build(dcfg, vocab):
-        d = real(dcfg, vocab)
-        orig = d.batch
+    def build(*args, **kwargs):
+        d = real(*args, **kwargs)
+        orig, taken = d.next_batch, [0]
 
-        def batch(step, split="train"):
-            if split == "train" and step >= stop_after:
+        def next_batch():
+            # The loop takes batch n + 1 while step n runs: stop when it asks for the batch
+            # after `stop_after`, i.e. after `stop_after` steps and their checkpoint.
+            if taken[0] > stop_after:
                 raise KeyboardInterrupt
-            return orig(step, split)
+            taken[0] += 1
+            return orig()
 
-        d.batch = batch
+        d.next_batch = next_batch
         return d
 
     loop.data_lib.build = build

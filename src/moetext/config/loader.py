@@ -112,7 +112,24 @@ def validate(cfg: Config) -> None:
             f"kernels.qag=true all-gathers FP8 expert weights, so it needs "
             f"kernels.quantization='fp8_blockwise', got {k.quantization!r}"
         )
+    _validate_data(cfg)
     _validate_sharding(cfg)
+
+
+def _validate_data(cfg: Config) -> None:
+    d = cfg.data
+    if d.kind == "tfds" and not d.name:
+        raise ConfigError(
+            "data.kind='tfds' needs data.name: the dataset prepared with "
+            "`python -m moetext.data.prepare --name NAME`, or python_docs (the embedded corpus)"
+        )
+    if d.eval_batches < 1 and cfg.train.eval_every:
+        raise ConfigError(
+            f"train.eval_every={cfg.train.eval_every} needs data.eval_batches >= 1, "
+            f"got {d.eval_batches}"
+        )
+    if d.prefetch < 1:
+        raise ConfigError(f"data.prefetch must be >= 1, got {d.prefetch}")
 
 
 def _validate_sharding(cfg: Config) -> None:

@@ -108,16 +108,33 @@ class KernelsConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    kind: Literal["synthetic"] = "synthetic"
-    """Data source. synthetic: deterministic seeded token sequences with learnable structure."""
+    kind: Literal["synthetic", "tfds"] = "synthetic"
+    """Data source. tfds: a dataset prepared by `python -m moetext.data.prepare`, read with
+    grain and packed; synthetic: seeded token sequences with learnable structure (benchmarks)."""
+    name: str | None = None
+    """tfds only: the prepared dataset's name under data_dir; python_docs is the embedded
+    corpus (CPython's docs and docstrings), prepared automatically on first use."""
+    data_dir: str | None = None
+    """tfds only: where prepared datasets live; None: $MOETEXT_DATA_DIR or ~/.cache/moetext/data."""
+    tokenizer: str | None = None
+    """tfds only: a sentencepiece .model or a Hugging Face tokenizer.json (or its directory);
+    None uses the tokenizer saved beside the dataset."""
+    train_split: str = "train"
+    """tfds only: split to train on."""
+    eval_split: str = "eval"
+    """tfds only: split the evaluation batches come from."""
+    shuffle: bool = True
+    """tfds only: visit documents in a seeded order, reshuffled every epoch."""
+    prefetch: int = 2
+    """tfds only: batches prepared ahead in a background thread."""
     seq_len: int = 256
-    """Tokens per sequence."""
+    """Tokens per row (each row holds seq_len + 1 so inputs and targets are seq_len long)."""
     global_batch_size: int = 4
     """Sequences per step across all devices; must be divisible by the number of devices."""
     seed: int = 0
     """Seed of the data stream (independent from the model seed)."""
     eval_batches: int = 2
-    """Held-out batches per evaluation."""
+    """Held-out batches per evaluation (the same batches every time)."""
 
 
 @dataclass(frozen=True)

@@ -32,3 +32,18 @@ def from_tokens(tokens_BS1: np.ndarray) -> Batch:
         "segment_ids": np.ones((b, s1), np.int32),
         "positions": np.broadcast_to(np.arange(s1, dtype=np.int32), (b, s1)).copy(),
     }
+
+
+def target_mask(batch):
+    """[B, S] bool: targets that count in the loss (not padding, same document as the input).
+    NumPy or jax arrays alike (the train step and the data statistics share it)."""
+    seg = batch["segment_ids"]
+    return (seg[:, 1:] != 0) & (seg[:, 1:] == seg[:, :-1])
+
+
+def unigram_entropy(batches: list[Batch]) -> float:
+    """Entropy (nats) of the counted targets' own token frequencies: the loss of the best
+    context-free model of these very tokens, a floor a language model must get below."""
+    targets = np.concatenate([b["tokens"][:, 1:][target_mask(b)] for b in batches])
+    p = np.unique(targets, return_counts=True)[1] / max(len(targets), 1)
+    return float(-(p * np.log(p)).sum())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -18,6 +19,7 @@ from moetext import data as data_lib
 from moetext import models, optim
 from moetext.checkpoint import Checkpointer, abstract_like
 from moetext.config import Config
+from moetext.data.batch import unigram_entropy
 from moetext.models.flops import flops_per_token
 from moetext.sharding import plan as sharding_plan
 from moetext.train import metrics as metrics_lib
@@ -41,15 +43,20 @@ class Built:
     state_shardings: Any  # TrainState of NamedShardings (out_shardings of every step)
 
 
-def build(cfg: Config, devices: list[jax.Device] | None = None, *, abstract: bool = False) -> Built:
+def build(
+    cfg: Config,
+    devices: list[jax.Device] | None = None,
+    *,
+    abstract: bool = False,
+    plan: sharding_plan.Plan | None = None,
+) -> Built:
     """Mesh and rules from cfg.sharding; the train state created already sharded by them.
 
     abstract=True creates nothing: state and rest are ShapeDtypeStructs carrying their shardings
     (ahead-of-time compilation for devices this process cannot use).
     """
-    num_devices = len(devices) if devices is not None else jax.device_count()
-    config_lib.validate_for_devices(cfg, num_devices)
-    plan = sharding_plan.make_plan(cfg.sharding, devices)
+    if plan is None:
+        plan = make_plan(cfg, devices)
     tx = optim.build(cfg.optim, cfg.train.steps)
     lr_schedule = optim.schedule(cfg.optim, cfg.train.steps)
 
@@ -86,6 +93,12 @@ def build(cfg: Config, devices: list[jax.Device] | None = None, *, abstract: boo
     )
 
 
+def make_plan(cfg: Config, devices: list[jax.Device] | None = None) -> sharding_plan.Plan:
+    num_devices = len(devices) if devices is not None else jax.device_count()
+    config_lib.validate_for_devices(cfg, num_devices)
+    return sharding_plan.make_plan(cfg.sharding, devices)
+
+
 def jit_train_step(b: Built):
     """The train step with the plan's shardings pinned on both sides (state donated)."""
     step = make_train_step(b.graphdef, b.rest, b.tx, b.lr_schedule)
@@ -113,12 +126,17 @@ def run(cfg: Config) -> dict[str, Any]:
     """Trains to cfg.train.steps, resuming from the newest checkpoint; returns the last metrics."""
     run_dir = cfg.train.run_dir
     os.makedirs(run_dir, exist_ok=True)
+    plan = make_plan(cfg)
+    # Data before the model: a missing dataset or a tokenizer too large for the model fails
+    # here, before anything compiles. Each process reads only the rows its devices hold.
+    rows = local_rows(plan.batch_sharding, cfg.data.global_batch_size)
+    data = data_lib.build(cfg.data, cfg.model.vocab_size, rows)
     if jax.process_index() == 0:
         config_lib.save(cfg, os.path.join(run_dir, "config.yml"))
-    b = build(cfg)
-    data = data_lib.build(cfg.data, cfg.model.vocab_size)
+        data_lib.save_tokenizer(data, run_dir)
+    b = build(cfg, plan=plan)
     ckpt = Checkpointer(cfg.checkpoint, run_dir) if cfg.checkpoint.enabled else None
-    state = _maybe_resume(b, ckpt)
+    state = _maybe_resume(b, ckpt, data)
     start = int(state.step)
 
     train_step = jit_train_step(b)
@@ -126,7 +144,7 @@ def run(cfg: Config) -> dict[str, Any]:
         make_eval_step(b.graphdef, b.rest),
         in_shardings=(b.state_shardings.params, b.batch_sharding),
     )
-    put = lambda tokens: put_batch(tokens, b.batch_sharding)
+    put = lambda batch: put_batch(batch, b.batch_sharding, rows, cfg.data.global_batch_size)
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
     fpt = flops_per_token(cfg.model, cfg.moe, cfg.data.seq_len)
     peak = (
@@ -135,16 +153,22 @@ def run(cfg: Config) -> dict[str, Any]:
 
     log = metrics_lib.MetricsLog(run_dir, cfg.train.steps, start, cfg.train.progress_bar)
     last: dict[str, Any] = {"step": start}
+    eval_set: list[dict[str, jax.Array]] | None = None
+    unigram = float("nan")  # of this process's eval rows
     try:
-        if start < cfg.train.steps:
+        batch = put(data.next_batch()) if start < cfg.train.steps else None
+        if batch is not None:
             # Compile before the clock starts so step times measure steps, not compilation.
             t0 = time.perf_counter()
-            train_step = lower_checked(b, train_step, state, put(data.batch(start))).compile()
+            train_step = lower_checked(b, train_step, state, batch).compile()
             compile_s = time.perf_counter() - t0
             log.write({"step": start, "event": "compiled", "compile_s": compile_s})
         t_last, steps_since = time.perf_counter(), 0
         for step in range(start, cfg.train.steps):
-            state, m = train_step(state, put(data.batch(step)))
+            state, m = train_step(state, batch)
+            data_state = data.get_state()  # the position after this step's batch
+            if step + 1 < cfg.train.steps:
+                batch = put(data.next_batch())  # host work overlaps the dispatched step
             steps_since += 1
             log.advance()
             done = step + 1
@@ -160,47 +184,81 @@ def run(cfg: Config) -> dict[str, Any]:
                     "mfu": metrics_lib.mfu(fpt, tps, peak, jax.device_count()),
                 }
                 if cfg.train.eval_every and done % cfg.train.eval_every == 0:
+                    if eval_set is None:
+                        eval_set = [put(e) for e in data.eval_batches()]
+                        unigram = unigram_entropy(data.eval_batches())
                     with b.plan.rules():  # eval traces on its first call
-                        last.update(
-                            _evaluate(eval_step, state.params, data, put, cfg.data.eval_batches)
-                        )
+                        last.update(_evaluate(eval_step, state.params, eval_set))
+                    last["eval_unigram_entropy"] = unigram
                 log.write(last)
                 t_last, steps_since = time.perf_counter(), 0
             if ckpt and (done % cfg.checkpoint.every == 0 or done == cfg.train.steps):
-                ckpt.save(done, state, {"data_step": done, "step": done})
+                ckpt.save(done, state, {"step": done}, data_state)
     finally:
         log.close()
+        data.close()
         if ckpt:
             ckpt.close()
     return last
 
 
-def _maybe_resume(b: Built, ckpt: Checkpointer | None) -> TrainState:
+def _maybe_resume(b: Built, ckpt: Checkpointer | None, data: data_lib.TrainData) -> TrainState:
     if ckpt is None or not b.cfg.checkpoint.resume:
         return b.state
     step = ckpt.latest_step()
     if step is None:
         return b.state
-    state, meta = ckpt.restore(step, abstract_like(b.state))
-    if int(state.step) != step or meta.get("data_step") != step:
+    state, meta, data_states = ckpt.restore(step, abstract_like(b.state))
+    if int(state.step) != step or meta.get("step") != step:
         raise RuntimeError(
             f"checkpoint {ckpt.directory}/{step} is inconsistent: state.step={int(state.step)}, "
             f"meta={meta}"
         )
+    data.restore(data_states)
     return state
 
 
-def put_batch(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
-    """A global batch (moetext.data.batch) as sharded arrays: each device gets its rows."""
+def local_rows(sharding: NamedSharding, global_rows: int) -> list[int]:
+    """The global batch rows this process's devices hold."""
+    index_map = sharding.addressable_devices_indices_map((global_rows, 1))
+    return sorted(
+        {r for idx in index_map.values() if idx for r in range(*idx[0].indices(global_rows))}
+    )
+
+
+def put_batch(
+    batch: dict[str, np.ndarray],
+    sharding: NamedSharding,
+    rows: Sequence[int] | None = None,
+    global_rows: int | None = None,
+) -> dict[str, jax.Array]:
+    """Batch rows as global sharded arrays: each device gets its rows.
+
+    `batch` holds the global batch, or with `rows` only those global rows (this process's,
+    see local_rows) out of `global_rows`.
+    """
+    n = len(next(iter(batch.values())))
+    rows, global_rows = (range(n), n) if rows is None else (rows, global_rows or n)
+    where = {r: i for i, r in enumerate(rows)}
+
+    def put(v: np.ndarray) -> jax.Array:
+        def shard(idx: tuple[slice, ...] | None) -> np.ndarray:
+            assert idx is not None  # a batch is never a scalar
+            picked = [where[r] for r in range(*idx[0].indices(global_rows))]
+            return v[picked][(slice(None), *idx[1:])]
+
+        return jax.make_array_from_callback((global_rows, *v.shape[1:]), sharding, shard)
+
+    return {k: put(v) for k, v in batch.items()}
+
+
+def _evaluate(eval_step, params, eval_set: list[dict[str, jax.Array]]) -> dict[str, float]:
+    """Mean eval_loss over the fixed batches; perplexity from the token-weighted CE."""
+    out = [jax.device_get(eval_step(params, batch)) for batch in eval_set]
+    nll = sum(float(o["eval_nll_sum"]) for o in out)
+    tokens = max(sum(float(o["eval_tokens"]) for o in out), 1.0)
     return {
-        k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
-        for k, v in batch.items()
+        "eval_loss": sum(float(o["eval_loss"]) for o in out) / len(out),
+        "eval_ce_loss": nll / tokens,
+        "eval_perplexity": float(np.exp(nll / tokens)),
     }
-
-
-def _evaluate(eval_step, params, data, put, num_batches: int) -> dict[str, float]:
-    totals: dict[str, float] = {}
-    for i in range(num_batches):
-        for k, v in jax.device_get(eval_step(params, put(data.batch(i, split="eval")))).items():
-            totals[k] = totals.get(k, 0.0) + float(v) / num_batches
-    return totals

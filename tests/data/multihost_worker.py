@@ -1,0 +1,43 @@
+"""One process of a multi-process data run (see test_data_multihost.py).
+
+argv: coordinator num_processes process_id out.npz config [overrides...]. Joins through
+jax.distributed (gloo CPU collectives), reads only the rows its devices hold, places three
+batches as global sharded arrays with the trainer's own helpers, and saves the shards it holds
+(global row index -> row) for the test to reassemble.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import numpy as np
+
+import moetext  # noqa: F401  (platform defaults before jax is used)
+from moetext import config
+from moetext import data as data_lib
+from moetext.train import loop
+
+
+def main(coordinator: str, num_processes: str, process_id: str, out: str, *cfg_args: str) -> None:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, int(num_processes), int(process_id))
+    cfg = config.load(cfg_args[0], list(cfg_args[1:]))
+    plan = loop.make_plan(cfg)
+    b = cfg.data.global_batch_size
+    rows = loop.local_rows(plan.batch_sharding, b)
+    data = data_lib.build(cfg.data, cfg.model.vocab_size, rows)
+    saved: dict[str, np.ndarray] = {"rows": np.asarray(rows)}
+    for n in range(3):
+        batch = loop.put_batch(data.next_batch(), plan.batch_sharding, rows, b)
+        for key, array in batch.items():
+            for shard in array.addressable_shards:
+                for i, r in enumerate(range(*shard.index[0].indices(b))):
+                    saved[f"{n}/{key}/{r}"] = np.asarray(shard.data)[i]
+    data.close()
+    np.savez(out, **saved)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
