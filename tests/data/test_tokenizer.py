@@ -167,3 +167,41 @@ def test_sample_lines_is_bounded_spread_and_deterministic():
     assert all(x.strip() for x in lines)
     long = list(sample_lines([{"text": b"y" * 10_000}], 10**9, None))
     assert [len(x) for x in long] == [4096, 4096, 1808]  # cut under max_sentence_length
+
+
+def test_hf_tokenizer_trains_through_the_data_pipeline(tmp_path):
+    # data.tokenizer=<a Qwen-like tokenizer.json> over the embedded corpus: no BOS, EOS ends
+    # each document, the run copies the tokenizer in; a packed batch decodes back to text.
+    from moetext import config, train
+
+    d = _hf_tokenizer(tmp_path / "hf", QWEN_LIKE)
+    tok = load_tokenizer(d)
+    tiny = "configs/models/tiny-qwen3-moe.yml"
+    cfg = config.load(
+        tiny,
+        [
+            f"data.tokenizer={d}",
+            f"train.run_dir={tmp_path / 'run'}",
+            "train.steps=2",
+            "train.log_every=1",
+            "train.eval_every=2",
+            "train.progress_bar=false",
+            "train.peak_tflops=1.0",
+            "checkpoint.enabled=false",
+            f"model.vocab_size={tok.vocab_size}",
+        ],
+    )
+    from moetext import data as data_lib
+
+    data = data_lib.build(cfg.data, cfg.model.vocab_size)
+    try:
+        batch = data.next_batch()
+    finally:
+        data.close()
+    tokens, seg = batch["tokens"], batch["segment_ids"]
+    ends = tokens[:, :-1][seg[:, 1:] != seg[:, :-1]]
+    assert len(ends) >= 1 and (ends == tok.eos_id).all()  # every document ends with EOS
+    assert tok.bos_id is None and sum(len(tok.decode(r)) for r in tokens) > tokens.size
+    last = train.run(cfg)
+    assert last["step"] == 2 and "eval_perplexity" in last
+    assert (tmp_path / "run/tokenizer/tokenizer.json").exists()

@@ -149,7 +149,9 @@ def resolve_tfds(cfg: DataConfig, vocab_size: int) -> tuple[str, Any]:
     assert cfg.name, "validated by config"
     tokenizer_path: str | None
     if cfg.name == corpus.PYTHON_DOCS:
-        dataset_dir, tokenizer_path = corpus.ensure_python_docs(data_dir, vocab_size=vocab_size)
+        # A run that brings its own tokenizer needs only the text.
+        want_vocab = None if cfg.tokenizer else vocab_size
+        dataset_dir, tokenizer_path = corpus.ensure_python_docs(data_dir, vocab_size=want_vocab)
     else:
         dataset_dir = _dataset_version_dir(data_dir, cfg.name)
         tokenizer_path = find_tokenizer(dataset_dir)

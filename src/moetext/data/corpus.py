@@ -122,12 +122,24 @@ def _locked(path: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def ensure_python_docs(data_dir: str | None = None, vocab_size: int = VOCAB_CAP) -> tuple[str, str]:
+def ensure_python_docs(
+    data_dir: str | None = None, vocab_size: int | None = VOCAB_CAP
+) -> tuple[str, str | None]:
     """(dataset dir, tokenizer path) of the embedded corpus, preparing what is missing.
 
     The tokenizer has min(vocab_size, VOCAB_CAP) pieces (fewer than a model's vocab_size is
     fine: the extra embedding rows are never used), or the corpus' minimum (~350) if more.
+    vocab_size=None prepares only the text (a run that brings its own tokenizer).
     """
+    if vocab_size is None:
+        data_dir = os.path.abspath(os.path.expanduser(data_dir or default_data_dir()))
+        os.makedirs(data_dir, exist_ok=True)
+        dataset_dir = os.path.join(data_dir, PYTHON_DOCS, python_version())
+        if not _ready(dataset_dir):
+            with _locked(os.path.join(data_dir, f".{PYTHON_DOCS}.lock")):
+                if not _ready(dataset_dir):
+                    _prepare_text(data_dir, python_version())
+        return dataset_dir, None
     data_dir = os.path.abspath(os.path.expanduser(data_dir or default_data_dir()))
     os.makedirs(data_dir, exist_ok=True)
     vocab = min(vocab_size, VOCAB_CAP)
