@@ -1,4 +1,5 @@
-"""Two processes on 127.0.0.1 train the tiny config through the real CLI and match one process.
+"""Two processes on 127.0.0.1 train the tiny config (on text) through the real CLI and match one
+process.
 
 Each process owns 2 fake CPU devices (4 in all) and joins through jax.distributed (gloo CPU
 collectives); the reference is one process with 4 devices and the same mesh. The 2-process
@@ -91,6 +92,11 @@ def test_two_processes_match_one_and_checkpoint_restores_in_one(tmp_path):
     procs.append(_cli(single, [], devices=4))
     outs = _wait(procs)
     assert "on 4 cpu device(s)" in outs[0], outs[0][-2000:]
+
+    # Each process saved the stream positions of its own rows (the tiny config reads text).
+    data_dir = multi / f"checkpoints/{STEPS}/data"
+    saved = [json.loads((data_dir / f"process_{i}-of-2.json").read_text()) for i in range(2)]
+    assert [sorted(s["rows"]) for s in saved] == [["0", "1", "2", "3"], ["4", "5", "6", "7"]]
 
     a, b = _losses(multi), _losses(single)
     assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
