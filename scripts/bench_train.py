@@ -21,8 +21,8 @@ from moetext import config as config_lib
 from moetext import data as data_lib
 from moetext.models.flops import flops_per_token
 from moetext.train import build
+from moetext.train import peak as peak_lib
 from moetext.train.loop import jit_train_step, lower_checked, put_batch
-from moetext.train.metrics import measured_peak_flops
 
 
 def main() -> None:
@@ -57,7 +57,7 @@ def main() -> None:
 
     tokens = cfg.data.global_batch_size * cfg.data.seq_len
     dt = float(np.median(times))
-    peak = measured_peak_flops()
+    peak = peak_lib.select(None)  # published for TPU/H100/H200, else measured
     fpt = flops_per_token(cfg.model, cfg.moe, cfg.data.seq_len)
     n = jax.device_count()
     result = {
@@ -72,8 +72,9 @@ def main() -> None:
         "step_time_s_min": float(np.min(times)),
         "tokens_per_s": tokens / dt,
         "model_tflops_per_s": fpt * tokens / dt / 1e12,
-        "dense_bf16_peak_tflops_per_device": peak / 1e12,
-        "mfu": fpt * tokens / dt / (peak * n),
+        "mfu": peak.mfu(fpt * tokens / dt / n),
+        "dense_bf16_peak_tflops_per_device": peak.flops / 1e12,
+        "peak_source": peak.source,
         "flops_per_token": fpt,
         "final_loss": float(m["loss"]),
     }

@@ -33,7 +33,8 @@ def render() -> str:
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 doc = ""
                 if i + 1 < len(body) and isinstance(body[i + 1], ast.Expr):
-                    doc = ast.literal_eval(body[i + 1].value)
+                    # One table cell: a docstring wrapped over lines is joined into one.
+                    doc = " ".join(ast.literal_eval(body[i + 1].value).split()).replace("|", "\\|")
                 default = ast.unparse(node.value) if node.value is not None else ""
                 if "default_factory" in default:
                     default = "see section" if cls.name == "Config" else "{}"

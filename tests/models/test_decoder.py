@@ -67,7 +67,15 @@ def baseline():
 def test_forward_shapes_dtypes_and_aux(baseline):
     _, _, logits, aux, _ = baseline
     assert logits.shape == (B, S, V) and logits.dtype == jnp.float32
-    assert set(aux) == AUX and all(a.shape == () for a in aux.values())
+    assert set(aux) == AUX | {"expert_load"}
+    assert all(aux[k].shape == () for k in AUX)
+    # One row per MoE layer: the fraction of routed (token, expert) assignments per expert.
+    model = baseline[0]
+    load = np.asarray(aux["expert_load"])
+    assert load.shape == (model.num_moe_layers, TINY_MOE.num_experts)
+    np.testing.assert_allclose(load.sum(axis=1), 1.0, rtol=1e-6)
+    counts = load * B * S * TINY_MOE.num_experts_per_tok
+    np.testing.assert_allclose(counts, np.round(counts), atol=1e-4)  # whole counts
     assert float(aux["load_balance_loss"]) > 0.5 and float(aux["dropped_fraction"]) == 0.0
     expect = TINY_MOE.aux_loss_weight * aux["load_balance_loss"]
     expect += TINY_MOE.z_loss_weight * aux["router_z_loss"]
@@ -124,7 +132,7 @@ def test_scan_and_remat_match_unrolled(baseline, scan, remat):
     (loss, (logits, aux)), grads = _value_and_grad(model)
     np.testing.assert_allclose(logits, ref_logits, **TOL)
     np.testing.assert_allclose(loss, ref_loss, **TOL)
-    for key in AUX:
+    for key in AUX | {"expert_load"}:
         np.testing.assert_allclose(aux[key], ref_aux[key], **TOL)
     if scan:
         want = _stacked_layer_grads(ref_grads, model)

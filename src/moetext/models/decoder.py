@@ -21,7 +21,7 @@ from moetext.models.layers.mlp import SwiGLU
 from moetext.models.layers.norms import RMSNorm
 from moetext.models.layers.params import as_dtype, make_param, normal
 from moetext.models.layers.rope import rope_cos_sin
-from moetext.models.moe.block import AUX_KEYS, MoEBlock, zero_aux
+from moetext.models.moe.block import AUX_KEYS, LOAD_KEY, MoEBlock, zero_aux
 from moetext.sharding.logical import constrain
 
 ACT_NAMES = ("batch", "length", "embed")
@@ -124,7 +124,9 @@ class Decoder(nnx.Module):
     document's logits are those of the document run alone (at its positions).
 
     aux: float32 scalars moe_loss (weighted, ready to add to the CE loss), load_balance_loss,
-    router_z_loss, dropped_fraction; each is the mean over MoE layers (zeros with none).
+    router_z_loss, dropped_fraction; each is the mean over MoE layers (zeros with none). With MoE
+    layers also expert_load float32 [num_moe_layers, E]: per MoE layer, in layer order, the
+    fraction of routed assignments each expert received (rows sum to 1).
     """
 
     def __init__(
@@ -199,7 +201,7 @@ class Decoder(nnx.Module):
             )
         cos_BSH, sin_BSH = rope_cos_sin(positions_BS, cfg.head_dim, cfg.rope_theta)
         x_BSD = jnp.take(self.embed[...], tokens_BS, axis=0).astype(self.dtype)
-        x_BSD, aux_sum = self._run_layers(x_BSD, cos_BSH, sin_BSH, segment_ids_BS)
+        x_BSD, aux_sum, loads = self._run_layers(x_BSD, cos_BSH, sin_BSH, segment_ids_BS)
         x_BSD = self.final_norm(x_BSD)
         head_VD = self.embed[...] if cfg.tie_embeddings else self.lm_head[...]
         # Logits come out in the compute dtype and the loss upcasts them to f32 (MaxText's
@@ -208,11 +210,15 @@ class Decoder(nnx.Module):
         logits_BSV = logits_BSV.astype(jnp.float32)
         logits_BSV = constrain(logits_BSV, ("batch", "length", "vocab"))
         n = max(self.num_moe_layers, 1)
-        return logits_BSV, {key: aux_sum[key] / n for key in AUX_KEYS}
+        aux = {key: aux_sum[key] / n for key in AUX_KEYS}
+        if loads:
+            aux[LOAD_KEY] = jnp.concatenate(loads, axis=0)
+        return logits_BSV, aux
 
     def _run_layers(self, x_BSD, cos_BSH, sin_BSH, segment_ids_BS):
+        """-> (x_BSD, summed scalar aux, the MoE layers' expert loads: a list of [n, E])."""
         policy = self.cfg.remat_policy
-        aux_sum = zero_aux()
+        aux_sum, loads = zero_aux(), []
         if self.cfg.scan_layers:
             for stack in self.stacks:
                 graphdef, state = nnx.split(stack)
@@ -223,6 +229,8 @@ class Decoder(nnx.Module):
 
                 x_BSD, aux_L = jax.lax.scan(body, x_BSD, state)
                 aux_sum = {k: aux_sum[k] + jnp.sum(aux_L[k]) for k in AUX_KEYS}
+                if LOAD_KEY in aux_L:
+                    loads.append(aux_L[LOAD_KEY])  # [L, E]: scan stacked the layers' loads
         else:
             for layer in self.layers:
                 graphdef, state = nnx.split(layer)
@@ -230,7 +238,9 @@ class Decoder(nnx.Module):
                     x_BSD, state, cos_BSH, sin_BSH, segment_ids_BS
                 )
                 aux_sum = {k: aux_sum[k] + aux[k] for k in AUX_KEYS}
-        return x_BSD, aux_sum
+                if LOAD_KEY in aux:
+                    loads.append(aux[LOAD_KEY][None])
+        return x_BSD, aux_sum, loads
 
 
 def _make_stack(make_layer, use_moe: bool, keys):

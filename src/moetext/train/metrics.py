@@ -1,45 +1,69 @@
-"""Throughput, MFU and the metrics sinks (terminal progress bar + <run_dir>/metrics.jsonl)."""
+"""MFU and the metrics sinks: terminal progress bar, <run_dir>/metrics.jsonl, TensorBoard."""
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
 import sys
-import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-
-@functools.cache
-def measured_peak_flops(n: int = 2048, reps: int = 5) -> float:
-    """Dense bf16 matmul FLOP/s of one device of this machine (median of `reps` runs)."""
-    dev = jax.devices()[0]
-    a = jax.device_put(jnp.ones((n, n), jnp.bfloat16), dev)
-    f = jax.jit(lambda x, y: x @ y)
-    f(a, a).block_until_ready()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f(a, a).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return 2 * n**3 / float(np.median(times))
+from moetext.models.moe import LOAD_KEY  # expert_load [num_moe_layers, E] in a metrics row
+from moetext.train.peak import Peak
+from moetext.train.tensorboard import TensorBoardSink, numeric
 
 
-def mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float, num_devices: int) -> float:
-    return flops_per_token * tokens_per_s / (peak_flops * num_devices)
+def mfu(flops_per_token: float, tokens_per_s: float, peak: Peak, num_devices: int) -> float:
+    """Model FLOP/s per device over the peak; the peak rises instead of MFU exceeding 1."""
+    return peak.mfu(flops_per_token * tokens_per_s / num_devices)
+
+
+def to_host(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Fetched step metrics: scalars as floats, arrays (expert_load) as NumPy arrays."""
+    out: dict[str, Any] = {}
+    for k, v in metrics.items():
+        a = np.asarray(v)
+        out[k] = float(a) if a.ndim == 0 else a
+    return out
+
+
+def imbalance(load_LE: np.ndarray) -> np.ndarray:
+    """max / mean expert load per layer: 1.0 is perfectly balanced, E is one expert takes all."""
+    load_LE = np.asarray(load_LE, np.float64)
+    return load_LE.max(axis=-1) / np.maximum(load_LE.mean(axis=-1), 1e-30)
 
 
 class MetricsLog:
-    """Appends one JSON object per logged step and drives the progress bar."""
+    """Appends one JSON object per logged step, mirrors it to TensorBoard, drives the bar.
 
-    def __init__(self, run_dir: str, total_steps: int, start_step: int, progress_bar: bool):
+    A row's expert_load [num_moe_layers, E] goes to TensorBoard as histograms; metrics.jsonl
+    gets its max/mean imbalance per layer as scalars expert_imbalance/layer_<i> (i: the
+    decoder layer, from moe_pattern). On start, rows after start_step left by an interrupted
+    run are dropped, so a resumed run's file reads as one run.
+    """
+
+    def __init__(
+        self,
+        run_dir: str,
+        total_steps: int,
+        start_step: int,
+        progress_bar: bool,
+        *,
+        tensorboard: bool = False,
+        moe_pattern: Sequence[bool] = (),
+    ):
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        self._layer_ids = [i for i, is_moe in enumerate(moe_pattern) if is_moe]
+        self._tb: TensorBoardSink | None = None
+        if jax.process_index() == 0:
+            truncate_after(self.path, start_step)
+            if tensorboard:
+                self._tb = TensorBoardSink(run_dir, start_step)
         self._file = open(self.path, "a")  # noqa: SIM115  (closed in close())
         self._bar = None
         if progress_bar and jax.process_index() == 0:
@@ -58,7 +82,28 @@ class MetricsLog:
         if self._bar is not None:
             self._bar.update(n)
 
+    def info(self, line: str) -> None:
+        """One line for the person watching (process 0), without breaking the bar."""
+        if jax.process_index() != 0:
+            return
+        if self._bar is not None:
+            self._bar.write(line, file=sys.stderr)
+        else:
+            print(line, flush=True)
+
     def write(self, record: dict[str, Any]) -> None:
+        record = dict(record)
+        load = record.pop(LOAD_KEY, None)
+        layer_ids: list[int] = []
+        if load is not None:
+            n = len(load)
+            layer_ids = self._layer_ids if len(self._layer_ids) == n else list(range(n))
+            per_layer = imbalance(load)
+            for i, x in zip(layer_ids, per_layer, strict=True):
+                record[f"expert_imbalance/layer_{i}"] = float(x)
+        if self._tb is not None:
+            self._tb.write(int(record["step"]), numeric(record), load, layer_ids)
+        shown = {k: v for k, v in record.items() if not k.startswith("expert_imbalance/")}
         record = {k: _plain(v) for k, v in record.items()}
         if jax.process_index() == 0:
             self._file.write(json.dumps(record) + "\n")
@@ -67,13 +112,37 @@ class MetricsLog:
             keys = [k for k in ("loss", "eval_loss", "tokens_per_s", "mfu") if k in record]
             self._bar.set_postfix({k: _short(record[k]) for k in keys}, refresh=False)
         elif jax.process_index() == 0:
-            shown = " ".join(f"{k}={_short(v)}" for k, v in record.items())
-            print(shown, flush=True)
+            print(" ".join(f"{k}={_short(_plain(v))}" for k, v in shown.items()), flush=True)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
         self._file.close()
+
+
+def truncate_after(path: str, step: int) -> None:
+    """Rewrites metrics.jsonl (atomically) without rows after `step` or torn lines."""
+    if not os.path.exists(path):
+        return
+    kept, dropped = [], False
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # the last line of a killed run
+                dropped = True
+                continue
+            if isinstance(row, dict) and row.get("step", 0) > step:
+                dropped = True
+                continue
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if dropped:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
 
 
 def _plain(v):

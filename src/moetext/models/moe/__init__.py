@@ -1,14 +1,22 @@
 """Mixture-of-Experts feed-forward: router, dispatch (dropless / capacity), experts, block."""
 
-from moetext.models.moe.block import AUX_KEYS, MoEBlock, zero_aux
+from moetext.models.moe.block import AUX_KEYS, LOAD_KEY, MoEBlock, zero_aux
 from moetext.models.moe.experts import Experts
-from moetext.models.moe.router import Router, load_balance_loss, route, router_z_loss
+from moetext.models.moe.router import (
+    Router,
+    expert_load,
+    load_balance_loss,
+    route,
+    router_z_loss,
+)
 
 __all__ = [
     "AUX_KEYS",
+    "LOAD_KEY",
     "Experts",
     "MoEBlock",
     "Router",
+    "expert_load",
     "load_balance_loss",
     "route",
     "router_z_loss",

@@ -15,14 +15,23 @@ from moetext.models.layers.mlp import SwiGLU
 from moetext.models.moe import dispatch as dsp
 from moetext.models.moe import ep
 from moetext.models.moe.experts import Experts, fuse_gate_up, gmm_backend
-from moetext.models.moe.router import Router, load_balance_loss, route, router_z_loss
+from moetext.models.moe.router import (
+    Router,
+    expert_load,
+    load_balance_loss,
+    route,
+    router_z_loss,
+)
 
 DISPATCH_MODES = ("dropless", "capacity")
 AUX_KEYS = ("moe_loss", "load_balance_loss", "router_z_loss", "dropped_fraction")
+# Besides the scalars, aux[LOAD_KEY] is the layer's expert_load f_E (fraction of the routed
+# assignments per expert, float32 [E]); only MoE layers return it.
+LOAD_KEY = "expert_load"
 
 
 def zero_aux() -> dict[str, jax.Array]:
-    """The aux dict of a layer without MoE (same keys, so layers stack and scan uniformly)."""
+    """The scalar aux of a layer without MoE (a scanned stack holds layers of one kind only)."""
     return {key: jnp.zeros((), jnp.float32) for key in AUX_KEYS}
 
 
@@ -44,7 +53,8 @@ def check_moe_config(cfg: MoEConfig) -> None:
 
 
 class MoEBlock(nnx.Module):
-    """x_BSD -> (y_BSD, aux). aux["moe_loss"] is already weighted by the config's loss weights."""
+    """x_BSD -> (y_BSD, aux). aux["moe_loss"] is already weighted by the config's loss weights;
+    aux["expert_load"] is f_E [E], the fraction of routed assignments per expert."""
 
     def __init__(
         self,
@@ -104,6 +114,7 @@ class MoEBlock(nnx.Module):
             "load_balance_loss": lb,
             "router_z_loss": z,
             "dropped_fraction": dropped,
+            LOAD_KEY: expert_load(ids_TK, cfg.num_experts),
         }
         return y_TD.reshape(b, s, d), aux
 

@@ -48,10 +48,18 @@ def load_balance_loss(probs_TE: jax.Array, ids_TK: jax.Array) -> jax.Array:
     P_e: mean router probability of e over tokens (carries the gradient).
     """
     num_experts = probs_TE.shape[-1]
-    counts_E = jnp.zeros((num_experts,), jnp.float32).at[ids_TK.reshape(-1)].add(1.0)
-    f_E = jax.lax.stop_gradient(counts_E / ids_TK.size)
+    f_E = expert_load(ids_TK, num_experts)
     p_E = jnp.mean(probs_TE, axis=0)
     return num_experts * jnp.sum(f_E * p_E)
+
+
+def expert_load(ids_TK: jax.Array, num_experts: int) -> jax.Array:
+    """f_E float32: the fraction of the T*K assignments routed to each expert (sums to 1).
+
+    Counted before any capacity drop; a count, so it carries no gradient.
+    """
+    counts_E = jnp.zeros((num_experts,), jnp.float32).at[ids_TK.reshape(-1)].add(1.0)
+    return jax.lax.stop_gradient(counts_E / ids_TK.size)
 
 
 def router_z_loss(logits_TE: jax.Array) -> jax.Array:

@@ -1,0 +1,144 @@
+"""Metric sinks: metrics.jsonl after a resume, TensorBoard events read back, the MFU peak."""
+
+import glob
+import json
+import struct
+
+import numpy as np
+import pytest
+from tensorboardX.proto import event_pb2
+
+from moetext.train import metrics as metrics_lib
+from moetext.train import peak as peak_lib
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
+def _events(run_dir):
+    """Every Event of run_dir/tensorboard/, read straight from the TFRecord framing."""
+    out = []
+    for path in sorted(glob.glob(str(run_dir / "tensorboard" / "events.out.tfevents.*"))):
+        data = open(path, "rb").read()
+        pos = 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos : pos + 8])
+            pos += 12  # length + its CRC
+            out.append(event_pb2.Event.FromString(data[pos : pos + n]))
+            pos += n + 4  # payload + its CRC
+    return out
+
+
+def _values(events, field):
+    """{(tag, step): value.<field>} of the summary values that set `field`."""
+    return {
+        (v.tag, e.step): getattr(v, field)
+        for e in events
+        for v in e.summary.value
+        if v.HasField(field)
+    }
+
+
+def test_resume_drops_rows_after_the_checkpoint(tmp_path):
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.write(json.dumps({"step": 0, "event": "compiled", "compile_s": 1.0}) + "\n")
+        for step in range(1, 21):
+            f.write(json.dumps({"step": step, "loss": 10.0 - step / 10}) + "\n")
+        f.write('{"step": 21, "lo')  # torn by the kill
+    log = metrics_lib.MetricsLog(str(tmp_path), 30, start_step=10, progress_bar=False)
+    log.write({"step": 11, "loss": 1.0})
+    log.close()
+    steps = [r["step"] for r in _rows(tmp_path) if "loss" in r]
+    assert steps == list(range(1, 12))
+    assert _rows(tmp_path)[0]["event"] == "compiled"
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_tensorboard_gets_every_scalar_and_the_expert_load(tmp_path):
+    log = metrics_lib.MetricsLog(
+        str(tmp_path), 20, 0, False, tensorboard=True, moe_pattern=(False, True, True)
+    )
+    load = np.array([[0.25, 0.25, 0.25, 0.25], [0.7, 0.1, 0.1, 0.1]], np.float32)
+    log.write({"step": 0, "event": "compiled", "compile_s": 2.5, "mfu_peak_source": "given"})
+    for step in (10, 20):
+        log.write({"step": step, "loss": 5.0 / step, "lr": 1e-3, "expert_load": load})
+    log.close()
+
+    rows = _rows(tmp_path)
+    # JSONL: the per-layer max/mean imbalance (named by decoder layer), not the histogram.
+    assert "expert_load" not in rows[-1]
+    assert rows[-1]["expert_imbalance/layer_1"] == pytest.approx(1.0)
+    assert rows[-1]["expert_imbalance/layer_2"] == pytest.approx(2.8)
+
+    events = _events(tmp_path)
+    scalars = _values(events, "simple_value")
+    for row in rows:
+        for key, value in row.items():
+            if key != "step" and not isinstance(value, str):
+                assert scalars[(key, row["step"])] == pytest.approx(value), key
+    hist = {
+        (v.tag, e.step): v.histo for e in events for v in e.summary.value if v.HasField("histo")
+    }
+    assert set(hist) == {(f"expert_load/layer_{i}", s) for i in (1, 2) for s in (10, 20)}
+    h = hist[("expert_load/layer_2", 20)]
+    np.testing.assert_allclose(h.bucket, load[1], rtol=1e-6)  # bucket e = expert e
+    np.testing.assert_allclose(h.bucket_limit, [0.5, 1.5, 2.5, 3.5])
+
+
+def test_resumed_tensorboard_purges_replayed_steps(tmp_path):
+    log = metrics_lib.MetricsLog(str(tmp_path), 20, 0, False, tensorboard=True)
+    log.write({"step": 10, "loss": 2.0})
+    log.close()
+    log = metrics_lib.MetricsLog(str(tmp_path), 20, 5, False, tensorboard=True)
+    log.close()
+    # TensorBoard hides events at or after a SessionLog START's step (purge_step = k + 1).
+    starts = [e.step for e in _events(tmp_path) if e.HasField("session_log")]
+    assert 6 in starts
+
+
+def test_to_host_keeps_arrays_and_floats_scalars():
+    out = metrics_lib.to_host({"loss": np.float32(2.0), "expert_load": np.ones((2, 4))})
+    assert out["loss"] == 2.0 and isinstance(out["loss"], float)
+    assert out["expert_load"].shape == (2, 4)
+
+
+def _never_measure():
+    raise AssertionError("measured although a peak was known")
+
+
+def test_peak_given_beats_table_beats_measurement():
+    given = peak_lib.select(2.0, "TPU v5 lite", measure=_never_measure)
+    assert given.flops == 2.0e12 and given.source == "train.peak_tflops"
+    for kind, tflops in [
+        ("TPU v4", 275),
+        ("TPU v5 lite", 197),
+        ("TPU v5", 459),
+        ("TPU v6 lite", 918),
+        ("TPU7x", 1153.5),
+        ("NVIDIA H100 80GB HBM3", 989),
+        ("NVIDIA H100 PCIe", 756),
+        ("NVIDIA H200", 989),
+    ]:
+        p = peak_lib.select(None, kind, measure=_never_measure)
+        assert p.flops == pytest.approx(tflops * 1e12), kind
+        assert kind in p.source
+    measured = peak_lib.select(
+        None, "cpu", measure=lambda: (8e11, "fake 4096^3"), devices_sharing_host=4
+    )
+    assert measured.flops == 2e11  # the host's cores are shared by its 4 devices
+    assert measured.source.startswith("measured: fake 4096^3")
+    assert "0.2 TFLOP/s per device" in measured.describe()
+
+
+def test_mfu_never_exceeds_one_the_peak_rises_instead():
+    p = peak_lib.Peak(1e12, "measured: fake")
+    assert metrics_lib.mfu(1e6, 5e5, p, 1) == pytest.approx(0.5)
+    assert metrics_lib.mfu(1e6, 4e6, p, 2) == 1.0  # 2e12 per device > the 1e12 peak
+    assert p.flops == 2e12 and p.raised and "train step" in p.source
+    assert metrics_lib.mfu(1e6, 2e6, p, 2) == pytest.approx(0.5)  # the raised peak stays
+
+
+def test_measure_matmul_flops_runs():
+    flops, how = peak_lib.measure_matmul_flops(n=256, reps=3)
+    assert flops > 0 and how == "bf16 256^3 matmul, best of 3"
