@@ -36,6 +36,10 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._mngr.latest_step()
 
+    def latest_path(self) -> str | None:
+        step = self.latest_step()
+        return None if step is None else os.path.join(self.directory, str(step))
+
     def all_steps(self) -> list[int]:
         return list(self._mngr.all_steps())
 

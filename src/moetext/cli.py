@@ -43,16 +43,23 @@ def main(argv: list[str] | None = None) -> int:
             f"device(s); run dir {cfg.train.run_dir}",
             flush=True,
         )
+    from moetext.train.nonfinite import NonFiniteError
+
     try:
         last = train.run(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if jax.process_index() == 0:
         print(
             "done: "
             + " ".join(
-                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in last.items()
+                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in last.items()
+                if not hasattr(v, "shape")  # expert_load [layers, E] is in metrics.jsonl
             ),
             flush=True,
         )
@@ -61,6 +68,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"eval: cross-entropy {last['eval_ce_loss']:.3f} nats/token (perplexity "
                 f"{last['eval_perplexity']:.1f}) vs {last['eval_unigram_entropy']:.3f} for the "
                 f"best unigram model of the same tokens",
+                flush=True,
+            )
+        if last.get("preempted"):
+            print(
+                f"preempted after step {last['step']} of {cfg.train.steps}: re-run the same "
+                f"command to resume from its checkpoint",
                 flush=True,
             )
     return 0

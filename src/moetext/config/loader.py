@@ -97,6 +97,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.mlp_only_layers {bad} out of range [0, {m.num_layers})")
     if cfg.train.steps < 0:
         raise ConfigError(f"train.steps must be >= 0, got {cfg.train.steps}")
+    if cfg.train.skip_nonfinite_steps < 0:
+        raise ConfigError(
+            f"train.skip_nonfinite_steps must be >= 0, got {cfg.train.skip_nonfinite_steps}"
+        )
     if cfg.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")
     if moe.capacity_factor <= 0:

@@ -172,9 +172,14 @@ class TrainConfig:
     eval_every: int = 0
     """Evaluate on held-out batches every N steps; 0 disables periodic evaluation."""
     peak_tflops: float | None = None
-    """Dense bf16 matmul peak of one device used for MFU; None measures it once at start-up."""
+    """Dense bf16 TFLOP/s of one device for MFU; None: published for its kind, else measured."""
     progress_bar: bool = True
     """Show a progress bar on the terminal."""
+    tensorboard: bool = True
+    """Also write the metrics (and per-layer expert load) as TensorBoard events in run_dir."""
+    skip_nonfinite_steps: int = 0
+    """0: a NaN/Inf loss or grad norm stops the run. N > 0: such a step leaves params and
+    optimizer state unchanged (logged as skipped); more than N skips in a row stop the run."""
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,12 @@ from moetext import models, optim
 from moetext.checkpoint import Checkpointer, abstract_like
 from moetext.config import Config
 from moetext.data.batch import unigram_entropy
+from moetext.models.decoder import moe_layer_pattern
 from moetext.models.flops import flops_per_token
 from moetext.sharding import plan as sharding_plan
 from moetext.train import metrics as metrics_lib
+from moetext.train import nonfinite, preemption
+from moetext.train import peak as peak_lib
 from moetext.train.state import TrainState
 from moetext.train.step import make_eval_step, make_train_step
 
@@ -101,7 +104,8 @@ def make_plan(cfg: Config, devices: list[jax.Device] | None = None) -> sharding_
 
 def jit_train_step(b: Built):
     """The train step with the plan's shardings pinned on both sides (state donated)."""
-    step = make_train_step(b.graphdef, b.rest, b.tx, b.lr_schedule)
+    skip = b.cfg.train.skip_nonfinite_steps > 0
+    step = make_train_step(b.graphdef, b.rest, b.tx, b.lr_schedule, skip_nonfinite=skip)
     return jax.jit(
         step,
         in_shardings=(b.state_shardings, b.batch_sharding),
@@ -147,14 +151,23 @@ def run(cfg: Config) -> dict[str, Any]:
     put = lambda batch: put_batch(batch, b.batch_sharding, rows, cfg.data.global_batch_size)
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
     fpt = flops_per_token(cfg.model, cfg.moe, cfg.data.seq_len)
-    peak = (
-        cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops else metrics_lib.measured_peak_flops()
-    )
+    peak = peak_lib.select(cfg.train.peak_tflops)
 
-    log = metrics_lib.MetricsLog(run_dir, cfg.train.steps, start, cfg.train.progress_bar)
+    log = metrics_lib.MetricsLog(
+        run_dir,
+        cfg.train.steps,
+        start,
+        cfg.train.progress_bar,
+        tensorboard=cfg.train.tensorboard,
+        moe_pattern=moe_layer_pattern(cfg.model),
+    )
+    log.info(peak.describe())
     last: dict[str, Any] = {"step": start}
     eval_set: list[dict[str, jax.Array]] | None = None
     unigram = float("nan")  # of this process's eval rows
+    preempt = preemption.Preemption(sync_every=cfg.train.log_every)
+    last_ckpt = ckpt.latest_path if ckpt else lambda: None
+    guard = nonfinite.NonFiniteGuard(cfg.train.skip_nonfinite_steps, last_ckpt, log)
     try:
         batch = put(data.next_batch()) if start < cfg.train.steps else None
         if batch is not None:
@@ -162,7 +175,7 @@ def run(cfg: Config) -> dict[str, Any]:
             t0 = time.perf_counter()
             train_step = lower_checked(b, train_step, state, batch).compile()
             compile_s = time.perf_counter() - t0
-            log.write({"step": start, "event": "compiled", "compile_s": compile_s})
+            log.write({"step": start, "event": "compiled", "compile_s": compile_s, **peak.fields()})
         t_last, steps_since = time.perf_counter(), 0
         for step in range(start, cfg.train.steps):
             state, m = train_step(state, batch)
@@ -172,13 +185,15 @@ def run(cfg: Config) -> dict[str, Any]:
             steps_since += 1
             log.advance()
             done = step + 1
-            if done % cfg.train.log_every == 0 or done == cfg.train.steps:
+            guard.record(done, m)
+            stop = preempt.should_stop(done)  # every process agrees on the step
+            if done % cfg.train.log_every == 0 or done == cfg.train.steps or stop:
                 m = jax.device_get(m)  # waits for the step: the interval below is real time
                 dt = (time.perf_counter() - t_last) / steps_since
                 tps = tokens_per_step / dt
                 last = {
                     "step": done,
-                    **{k: float(v) for k, v in m.items()},
+                    **metrics_lib.to_host(m),
                     "step_time_s": dt,
                     "tokens_per_s": tps,
                     "mfu": metrics_lib.mfu(fpt, tps, peak, jax.device_count()),
@@ -191,10 +206,17 @@ def run(cfg: Config) -> dict[str, Any]:
                         last.update(_evaluate(eval_step, state.params, eval_set))
                     last["eval_unigram_entropy"] = unigram
                 log.write(last)
+                guard.check()
                 t_last, steps_since = time.perf_counter(), 0
-            if ckpt and (done % cfg.checkpoint.every == 0 or done == cfg.train.steps):
-                ckpt.save(done, state, {"step": done}, data_state)
+            if ckpt and (done % cfg.checkpoint.every == 0 or done == cfg.train.steps or stop):
+                guard.check_before_save(done, state)
+                ckpt.save(done, state, {"step": done}, data_state, force=stop)
+            if stop:
+                last["preempted"] = True
+                preempt.finish(done, ckpt, log)
+                break
     finally:
+        preempt.close()
         log.close()
         data.close()
         if ckpt:

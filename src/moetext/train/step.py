@@ -59,7 +59,10 @@ def make_train_step(
     rest: nnx.State,
     tx: optax.GradientTransformation,
     lr_schedule: optax.Schedule,
+    skip_nonfinite: bool = False,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, Any]]]:
+    """skip_nonfinite: a step whose loss or grad norm is NaN/Inf keeps the params and optimizer
+    state it started from (the step counter still advances) and reports `skipped` = 1."""
     loss_fn = make_loss_fn(graphdef, rest)
 
     def train_step(state: TrainState, batch: Batch):
@@ -68,13 +71,21 @@ def make_train_step(
         )
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        grad_norm = optax.tree.norm(grads)
         metrics = {
             "loss": loss,
             "ce_loss": ce,
-            "grad_norm": optax.tree.norm(grads),
+            "grad_norm": grad_norm,
             "lr": lr_schedule(state.step),
             **{k: v for k, v in aux.items()},
         }
+        if skip_nonfinite:
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            # A select per leaf, not lax.cond: both branches' values exist already.
+            keep = lambda new, old: jnp.where(finite, new, old)
+            params = jax.tree.map(keep, params, state.params)
+            opt_state = jax.tree.map(keep, opt_state, state.opt_state)
+            metrics["skipped"] = 1 - finite.astype(jnp.int32)
         new_state = dataclasses.replace(
             state, step=state.step + 1, params=params, opt_state=opt_state
         )
