@@ -2,16 +2,33 @@
 
 Layout: <run_dir>/checkpoints/<step>/{state, meta, data}. `state` holds params, optimizer
 state, step and RNG (sharded arrays, restored straight onto the run's shardings); `meta` holds
-the step (written by process 0); `data` holds each process's input position as
-`process_<i>-of-<n>.json` (grain's orbax handler), since each process reads only its own rows.
-Orbax writes into a temporary directory and renames it on completion, so `latest_step()` only
-ever sees complete checkpoints.
+the step and the run's resolved config (`config.to_dict`, written by process 0); `data` holds
+each process's input position as `process_<i>-of-<n>.json` (grain's orbax handler), since each
+process reads only its own rows. Orbax writes into `<step>.orbax-checkpoint-tmp` and renames it
+on completion, after writing `commit_success.txt`.
+
+Resume (`Checkpointer.restore_latest`) tries the steps newest to oldest. A step that is not
+usable (no commit marker, an item missing, unreadable meta/data JSON, array files deleted or
+truncated so that orbax/tensorstore fail to restore it, a step number that disagrees) is
+reported on stderr with its path and why, moved aside to <run_dir>/checkpoints.broken/ (so the
+resumed run can save that step again), and the previous one is tried. Half-written orbax
+temporary directories newer than the step used are reported and left for orbax to replace.
+When checkpoints exist but none is usable, resume stops with `CheckpointError` (a ConfigError:
+the CLI prints one line and exits 2) rather than silently starting from scratch over them.
+
+Before a step's arrays are restored, its saved config is compared with the run's
+(`check_config`): fields outside `RESUME_SAFE_FIELDS` that changed stop the run, naming each
+field with both values; allowed changes are logged in one line. Checkpoints without a saved
+config (written before it was recorded) resume with a warning.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import grain
@@ -19,7 +36,90 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from moetext.config import CheckpointConfig
+from moetext.config import CheckpointConfig, Config, ConfigError, to_dict
+
+ITEMS = ("state", "meta", "data")
+COMMIT_FILE = "commit_success.txt"  # orbax writes it last, into the step and each item
+TMP_MARKER = ".orbax-checkpoint-tmp"  # orbax's half-written step directories
+
+# Resolved-config fields (dotted, as in overrides) that may differ between a checkpoint and the
+# run resuming it: none changes a parameter's shape or dtype, the optimizer state's structure
+# or the training data stream. Every other field (model.* but remat, moe.* but the loss
+# weights, data.kind/name/tokenizer/seq_len/global_batch_size/seed/shuffle/train_split,
+# train.seed, optim.clip_norm on <-> off, and any field added later) must match: the resumed
+# run would otherwise restore mismatched arrays or silently train on another problem.
+RESUME_SAFE_FIELDS = frozenset(
+    {
+        # Loop length, logging, evaluation, output.
+        "train.steps",
+        "train.run_dir",
+        "train.log_every",
+        "train.eval_every",
+        "train.peak_tflops",
+        "train.progress_bar",
+        "train.tensorboard",
+        "train.skip_nonfinite_steps",
+        *(f"checkpoint.{k}" for k in ("enabled", "every", "keep", "async_save", "resume")),
+        # Learning-rate schedule and AdamW hyperparameters (same optimizer-state structure).
+        *(f"optim.{k}" for k in ("learning_rate", "warmup_steps", "decay_steps", "min_lr_ratio")),
+        *(f"optim.{k}" for k in ("b1", "b2", "eps", "weight_decay")),
+        # Loss weights only: the router and experts keep their shapes.
+        "moe.aux_loss_weight",
+        "moe.z_loss_weight",
+        # Activation checkpointing recomputes the same values; params are unchanged.
+        "model.remat_policy",
+        # Kernels change how the same params are multiplied (fp8 quantizes on the fly; the
+        # fused gate/up concatenates at run time), never the params themselves.
+        *(
+            f"kernels.{k}"
+            for k in (
+                "gmm_backend",
+                "checked",
+                "tiling",
+                "quantization",
+                "fp8_block_size",
+                "fp8_weight_block",
+                "fp8_bwd_quantize",
+                "qag",
+                "fuse_gate_up",
+                "grad_reduce_dtype",
+            )
+        ),
+        # Where the same data lives, prefetch depth, held-out batches.
+        "data.data_dir",
+        "data.prefetch",
+        "data.eval_split",
+        "data.eval_batches",
+        # Arrays are restored onto the new run's shardings, data positions onto its processes.
+        "sharding.preset",
+        "sharding.mesh",
+        "sharding.dcn_mesh",
+        *(
+            f"distributed.{k}"
+            for k in (
+                "initialize",
+                "coordinator_address",
+                "num_processes",
+                "process_id",
+                "initialization_timeout_s",
+            )
+        ),
+    }
+)
+# Safe only for some pairs of values: (old, new) -> allowed.
+RESUME_SAFE_IF: dict[str, Callable[[Any, Any], bool]] = {
+    # A clipping threshold is a hyperparameter; turning clipping on or off adds or removes a
+    # stage (and its state) in the optimizer chain.
+    "optim.clip_norm": lambda old, new: (old is None) == (new is None),
+}
+
+
+class CheckpointError(ConfigError):
+    """Checkpoints that cannot be resumed: none usable, or saved with an incompatible config."""
+
+
+class _Broken(Exception):
+    """One step that cannot be used (internal: resume falls back to the previous step)."""
 
 
 class Checkpointer:
@@ -84,6 +184,114 @@ class Checkpointer:
         data_states = [json.loads(f.read_text()) for f in files]
         return restored.state, dict(restored.meta), data_states
 
+    def restore_latest(
+        self, abstract_state: Any, check_meta: Callable[[int, dict[str, Any]], None] | None = None
+    ) -> tuple[int, Any, dict[str, Any], list[dict[str, Any]]] | None:
+        """The newest usable checkpoint as (step, state, meta, data states), or None when there
+        is none at all. Broken steps are reported on stderr and moved aside (newest to oldest);
+        `check_meta(step, meta)` runs before a step's arrays are restored and may raise (a
+        config mismatch stops the run instead of falling back). CheckpointError when
+        checkpoints exist but none is usable."""
+        steps, tmp_steps = self._scan()
+        if not steps:  # at most a first save that never finished: nothing to resume
+            for tmp in sorted(p for paths in tmp_steps.values() for p in paths):
+                _report(f"{tmp}: half-written (an orbax temporary directory), ignored")
+            return None
+        broken: list[tuple[int, str]] = []
+        for step in sorted(set(steps) | set(tmp_steps), reverse=True):
+            for tmp in tmp_steps.get(step, []):
+                _report(f"{tmp}: half-written (an orbax temporary directory), ignored")
+            if step not in steps:
+                continue
+            path = os.path.join(self.directory, str(step))
+            try:
+                meta, data_states = self._check_structure(step)
+                if check_meta is not None:
+                    check_meta(step, meta)
+                state = self._restore_state(step, abstract_state)
+            except _Broken as e:
+                _report(f"{path}: unusable checkpoint ({e}); trying the previous one")
+                broken.append((step, str(e)))
+                continue
+            self._set_aside([s for s, _ in broken])
+            return step, state, meta, data_states
+        why = "; ".join(f"step {s}: {w}" for s, w in broken)
+        raise CheckpointError(
+            f"no usable checkpoint in {self.directory} ({why}). Fix or move that directory "
+            f"to resume, or set checkpoint.resume=false / another train.run_dir to start over"
+        )
+
+    def _scan(self) -> tuple[list[int], dict[int, list[str]]]:
+        """Numbered step directories, and orbax temporary directories by their step."""
+        steps = set(self.all_steps())
+        tmp: dict[int, list[str]] = {}
+        for name in os.listdir(self.directory):
+            full = os.path.join(self.directory, name)
+            if name.isdigit() and os.path.isdir(full):
+                steps.add(int(name))
+            elif TMP_MARKER in name and name.split(".", 1)[0].isdigit():
+                tmp.setdefault(int(name.split(".", 1)[0]), []).append(full)
+        return sorted(steps), tmp
+
+    def _check_structure(self, step: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Cheap checks before any array is read: commit markers, items, meta and data JSON."""
+        root = os.path.join(self.directory, str(step))
+        if not os.path.isfile(os.path.join(root, COMMIT_FILE)):
+            raise _Broken(f"no {COMMIT_FILE}: the save never completed")
+        for item in ITEMS:
+            if not os.path.isdir(os.path.join(root, item)):
+                raise _Broken(f"item {item!r} is missing")
+            if not os.path.isfile(os.path.join(root, item, COMMIT_FILE)):
+                raise _Broken(f"item {item!r} has no {COMMIT_FILE}")
+        if not os.path.isfile(os.path.join(root, "state", "_METADATA")):
+            raise _Broken("state/_METADATA is missing")
+        meta = _read_json(os.path.join(root, "meta", "metadata"))
+        if not isinstance(meta, dict) or meta.get("step") != step:
+            raise _Broken(f"meta/metadata does not name step {step}: {str(meta)[:200]}")
+        data_dir = epath.Path(root) / "data"
+        files = sorted(data_dir.glob("process_*-of-*.json"))
+        if not files:
+            raise _Broken("data/ holds no process_*-of-*.json input position")
+        return meta, [_read_json(str(f)) for f in files]
+
+    def _restore_state(self, step: int, abstract_state: Any) -> Any:
+        try:
+            restored = self._mngr.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+            )
+            state = restored.state
+            got = int(state.step)  # reads the value: a damaged array fails here at the latest
+        except Exception as e:  # orbax and tensorstore raise many types (ValueError, OSError..)
+            msg = " ".join(str(e).split()).split(" See full TensorStore details")[0]
+            raise _Broken(f"restoring its arrays failed: {type(e).__name__}: {msg[:300]}") from None
+        if got != step:
+            raise _Broken(f"its state.step is {got}")
+        return state
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Moves broken step directories to <run_dir>/checkpoints.broken/ (process 0), so that
+        the resumed run can save those steps again; orbax forgets them."""
+        if not steps:
+            return
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("moetext_checkpoint_set_aside:pre")
+        if jax.process_index() == 0:
+            dest_root = self.directory + ".broken"
+            os.makedirs(dest_root, exist_ok=True)
+            for step in steps:
+                dest, n = os.path.join(dest_root, str(step)), 1
+                while os.path.exists(dest):
+                    dest, n = os.path.join(dest_root, f"{step}.{n}"), n + 1
+                shutil.move(os.path.join(self.directory, str(step)), dest)
+                _report(f"moved {os.path.join(self.directory, str(step))} to {dest}")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("moetext_checkpoint_set_aside:post")
+        self._mngr.reload()
+
     def wait(self) -> None:
         self._mngr.wait_until_finished()
 
@@ -113,3 +321,57 @@ class _JsonState:
 
     def set_state(self, state: bytes) -> None:  # part of the handler's protocol; unused
         self.value = json.loads(state)
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        rel = os.path.join(*path.split(os.sep)[-2:])
+        raise _Broken(f"{rel} is unreadable: {type(e).__name__}: {e}") from None
+
+
+def _report(line: str) -> None:
+    if jax.process_index() == 0:
+        print(f"checkpoint: {line}", file=sys.stderr, flush=True)
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        # sharding.mesh / dcn_mesh are dicts of axis sizes: compared whole.
+        if isinstance(v, dict) and f"{prefix}{k}" not in ("sharding.mesh", "sharding.dcn_mesh"):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_config(saved: dict[str, Any] | None, cfg: Config, where: str) -> list[str]:
+    """Compares the config saved with a checkpoint against the resuming run's.
+
+    Raises CheckpointError naming every changed field outside RESUME_SAFE_FIELDS (with both
+    values); returns the allowed changes as "field: old -> new" (or a warning line when the
+    checkpoint has no saved config). A field the saved config lacks (added to the schema since)
+    counts as its default value; a field the schema no longer has is ignored."""
+    if saved is None:
+        return ["no saved config (an older checkpoint): config changes cannot be checked"]
+    now = _flatten(to_dict(cfg))
+    old = {**_flatten(to_dict(Config())), **_flatten(saved)}
+    allowed: list[str] = []
+    blocking: list[str] = []
+    for key in sorted(now):
+        a, b = old.get(key), now[key]
+        if a == b:
+            continue
+        line = f"{key}: {a!r} -> {b!r}"
+        safe = key in RESUME_SAFE_FIELDS or (key in RESUME_SAFE_IF and RESUME_SAFE_IF[key](a, b))
+        (allowed if safe else blocking).append(line)
+    if blocking:
+        raise CheckpointError(
+            f"the config differs from the one {where} was saved with in fields that change the "
+            f"parameters, optimizer state or data stream: {'; '.join(blocking)}. Resume with "
+            f"the saved values, or start a new run (another train.run_dir)"
+        )
+    return allowed

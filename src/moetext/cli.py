@@ -43,10 +43,14 @@ def main(argv: list[str] | None = None) -> int:
             f"device(s); run dir {cfg.train.run_dir}",
             flush=True,
         )
+    from moetext.checkpoint import CheckpointError
     from moetext.train.nonfinite import NonFiniteError
 
     try:
         last = train.run(cfg)
+    except CheckpointError as e:  # no usable checkpoint, or one saved with another config
+        print(f"checkpoint error: {e}", file=sys.stderr)
+        return 2
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

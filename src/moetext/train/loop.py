@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -14,6 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from moetext import checkpoint as checkpoint_lib
 from moetext import config as config_lib
 from moetext import data as data_lib
 from moetext import models, optim
@@ -152,6 +154,7 @@ def run(cfg: Config) -> dict[str, Any]:
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
     fpt = flops_per_token(cfg.model, cfg.moe, cfg.data.seq_len)
     peak = peak_lib.select(cfg.train.peak_tflops)
+    cfg_dict = config_lib.to_dict(cfg)  # saved with every checkpoint, checked on resume
 
     log = metrics_lib.MetricsLog(
         run_dir,
@@ -210,7 +213,8 @@ def run(cfg: Config) -> dict[str, Any]:
                 t_last, steps_since = time.perf_counter(), 0
             if ckpt and (done % cfg.checkpoint.every == 0 or done == cfg.train.steps or stop):
                 guard.check_before_save(done, state)
-                ckpt.save(done, state, {"step": done}, data_state, force=stop)
+                meta = {"step": done, "config": cfg_dict}
+                ckpt.save(done, state, meta, data_state, force=stop)
             if stop:
                 last["preempted"] = True
                 preempt.finish(done, ckpt, log)
@@ -225,17 +229,21 @@ def run(cfg: Config) -> dict[str, Any]:
 
 
 def _maybe_resume(b: Built, ckpt: Checkpointer | None, data: data_lib.TrainData) -> TrainState:
+    """The newest usable checkpoint's state (data position restored), else the fresh state."""
     if ckpt is None or not b.cfg.checkpoint.resume:
         return b.state
-    step = ckpt.latest_step()
-    if step is None:
+    directory, changes = ckpt.directory, {}
+
+    def check_meta(step: int, meta: dict[str, Any]) -> None:  # before any array is read
+        where = f"checkpoint {directory}/{step}"
+        changes[step] = checkpoint_lib.check_config(meta.get("config"), b.cfg, where)
+
+    found = ckpt.restore_latest(abstract_like(b.state), check_meta)
+    if found is None:
         return b.state
-    state, meta, data_states = ckpt.restore(step, abstract_like(b.state))
-    if int(state.step) != step or meta.get("step") != step:
-        raise RuntimeError(
-            f"checkpoint {ckpt.directory}/{step} is inconsistent: state.step={int(state.step)}, "
-            f"meta={meta}"
-        )
+    step, state, _, data_states = found
+    if changes[step] and jax.process_index() == 0:
+        print(f"resume: checkpoint {directory}/{step}: {'; '.join(changes[step])}", file=sys.stderr)
     data.restore(data_states)
     return state
 
