@@ -166,23 +166,16 @@ class Checkpointer:
     def restore(
         self, step: int, abstract_state: Any
     ) -> tuple[Any, dict[str, Any], list[dict[str, Any]]]:
-        """(state, meta, every process's data state); state lands on `abstract_state`'s
-        shardings and dtypes (ShapeDtypeStructs). All processes' data states come back (not
-        only this process's) so a run can resume with another number of processes."""
-        restored = self._mngr.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
-            ),
-        )
-        data_dir = epath.Path(self.directory) / str(step) / "data"
-        files = sorted(data_dir.glob("process_*-of-*.json")) if data_dir.exists() else []
-        if not files:
-            raise FileNotFoundError(
-                f"checkpoint {data_dir.parent} has no data position in {data_dir}"
-            )
-        data_states = [json.loads(f.read_text()) for f in files]
-        return restored.state, dict(restored.meta), data_states
+        """(state, meta, every process's data state) of one step, checked as restore_latest
+        checks it; state lands on `abstract_state`'s shardings and dtypes (ShapeDtypeStructs).
+        All processes' data states come back so a run can resume with another process count.
+        CheckpointError when that step is unusable."""
+        try:
+            meta, data_states = self._check_structure(step)
+            return self._restore_state(step, abstract_state), meta, data_states
+        except _Broken as e:
+            path = os.path.join(self.directory, str(step))
+            raise CheckpointError(f"{path}: unusable checkpoint ({e})") from None
 
     def restore_latest(
         self, abstract_state: Any, check_meta: Callable[[int, dict[str, Any]], None] | None = None
@@ -273,9 +266,9 @@ class Checkpointer:
         the resumed run can save those steps again; orbax forgets them."""
         if not steps:
             return
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
+        from jax.experimental import multihost_utils
 
+        if jax.process_count() > 1:
             multihost_utils.sync_global_devices("moetext_checkpoint_set_aside:pre")
         if jax.process_index() == 0:
             dest_root = self.directory + ".broken"
@@ -287,8 +280,6 @@ class Checkpointer:
                 shutil.move(os.path.join(self.directory, str(step)), dest)
                 _report(f"moved {os.path.join(self.directory, str(step))} to {dest}")
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices("moetext_checkpoint_set_aside:post")
         self._mngr.reload()
 
