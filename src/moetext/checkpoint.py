@@ -25,8 +25,9 @@ config (written before it was recorded) resume with a warning.
 from __future__ import annotations
 
 import json
+import logging
 import os
-import shutil
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -59,6 +60,8 @@ RESUME_SAFE_FIELDS = frozenset(
         "train.progress_bar",
         "train.tensorboard",
         "train.skip_nonfinite_steps",
+        "train.profile_steps",
+        "train.profile_processes",
         *(f"checkpoint.{k}" for k in ("enabled", "every", "keep", "async_save", "resume")),
         # Learning-rate schedule and AdamW hyperparameters (same optimizer-state structure).
         *(f"optim.{k}" for k in ("learning_rate", "warmup_steps", "decay_steps", "min_lr_ratio")),
@@ -118,27 +121,37 @@ class CheckpointError(ConfigError):
     """Checkpoints that cannot be resumed: none usable, or saved with an incompatible config."""
 
 
+class CheckpointWriteError(Exception):
+    """A checkpoint could not be written (disk full, permissions, a storage error); the
+    complete checkpoints before it are untouched."""
+
+
 class _Broken(Exception):
     """One step that cannot be used (internal: resume falls back to the previous step)."""
 
 
 class Checkpointer:
-    def __init__(self, cfg: CheckpointConfig, run_dir: str | os.PathLike):
+    def __init__(self, cfg: CheckpointConfig, run_dir: epath.PathLike):
         self.cfg = cfg
-        self.directory = os.path.abspath(os.path.join(run_dir, "checkpoints"))
+        run_dir = epath.Path(run_dir)
+        self.directory = (run_dir if "://" in os.fspath(run_dir) else run_dir.absolute()) / (
+            "checkpoints"
+        )
+        self._pending: int | None = None  # the step whose async save may still be running
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep,
             enable_async_checkpointing=cfg.async_save,
             create=True,
         )
         self._mngr = ocp.CheckpointManager(self.directory, options=options)
+        _quiet_orbax_failures()
 
     def latest_step(self) -> int | None:
         return self._mngr.latest_step()
 
     def latest_path(self) -> str | None:
         step = self.latest_step()
-        return None if step is None else os.path.join(self.directory, str(step))
+        return None if step is None else os.fspath(self.directory / str(step))
 
     def all_steps(self) -> list[int]:
         return list(self._mngr.all_steps())
@@ -152,15 +165,42 @@ class Checkpointer:
         *,
         force: bool = False,
     ) -> bool:
-        """Saves (async by config); data_state is this process's input position after `step`."""
-        return self._mngr.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                meta=ocp.args.JsonSave(meta),
-                data=grain.checkpoint.CheckpointSave(_JsonState(data_state)),
-            ),
-            force=force,
+        """Saves (async by config); data_state is this process's input position after `step`.
+        CheckpointWriteError when this save, or the previous async one, failed to write."""
+        try:
+            saved = self._mngr.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    meta=ocp.args.JsonSave(meta),
+                    data=grain.checkpoint.CheckpointSave(_JsonState(data_state)),
+                ),
+                force=force,
+            )
+        except Exception as e:  # the storage's own error types (OSError, tensorstore, ...)
+            raise self._write_error(e, step) from None
+        if saved:
+            self._pending = step
+        return bool(saved)
+
+    def _write_error(self, e: Exception, step: int) -> CheckpointWriteError:
+        # An async save reports its failure at the next save (or wait): name the one pending.
+        failed = self._pending if self._pending is not None else step
+        self._pending = None
+        complete = [s for s in self._scan()[0] if (self.directory / str(s) / COMMIT_FILE).exists()]
+        kept = [s for s in complete if s != failed]
+        previous = (
+            f"the previous checkpoint {self.directory / str(max(kept))} is complete and kept"
+            if kept
+            else "no earlier checkpoint exists"
+        )
+        msg = " ".join(str(e).split()).split(" [tensorstore_spec=")[0]
+        if len(msg) > 400:  # tensorstore's messages end with the OS's reason
+            msg = f"{msg[:150]} ... {msg[-240:]}"
+        return CheckpointWriteError(
+            f"writing checkpoint {self.directory / str(failed)} failed ({type(e).__name__}: "
+            f"{msg}); {previous}. Free space or fix the storage, then re-run the same command "
+            f"to resume"
         )
 
     def restore(
@@ -174,7 +214,7 @@ class Checkpointer:
             meta, data_states = self._check_structure(step)
             return self._restore_state(step, abstract_state), meta, data_states
         except _Broken as e:
-            path = os.path.join(self.directory, str(step))
+            path = self.directory / str(step)
             raise CheckpointError(f"{path}: unusable checkpoint ({e})") from None
 
     def restore_latest(
@@ -196,7 +236,7 @@ class Checkpointer:
                 _report(f"{tmp}: half-written (an orbax temporary directory), ignored")
             if step not in steps:
                 continue
-            path = os.path.join(self.directory, str(step))
+            path = self.directory / str(step)
             try:
                 meta, data_states = self._check_structure(step)
                 if check_meta is not None:
@@ -218,34 +258,33 @@ class Checkpointer:
         """Numbered step directories, and orbax temporary directories by their step."""
         steps = set(self.all_steps())
         tmp: dict[int, list[str]] = {}
-        for name in os.listdir(self.directory):
-            full = os.path.join(self.directory, name)
-            if name.isdigit() and os.path.isdir(full):
+        for full in self.directory.iterdir() if self.directory.exists() else []:
+            name = full.name
+            if name.isdigit() and full.is_dir():
                 steps.add(int(name))
             elif TMP_MARKER in name and name.split(".", 1)[0].isdigit():
-                tmp.setdefault(int(name.split(".", 1)[0]), []).append(full)
+                tmp.setdefault(int(name.split(".", 1)[0]), []).append(os.fspath(full))
         return sorted(steps), tmp
 
     def _check_structure(self, step: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """Cheap checks before any array is read: commit markers, items, meta and data JSON."""
-        root = os.path.join(self.directory, str(step))
-        if not os.path.isfile(os.path.join(root, COMMIT_FILE)):
+        root = self.directory / str(step)
+        if not (root / COMMIT_FILE).is_file():
             raise _Broken(f"no {COMMIT_FILE}: the save never completed")
         for item in ITEMS:
-            if not os.path.isdir(os.path.join(root, item)):
+            if not (root / item).is_dir():
                 raise _Broken(f"item {item!r} is missing")
-            if not os.path.isfile(os.path.join(root, item, COMMIT_FILE)):
+            if not (root / item / COMMIT_FILE).is_file():
                 raise _Broken(f"item {item!r} has no {COMMIT_FILE}")
-        if not os.path.isfile(os.path.join(root, "state", "_METADATA")):
+        if not (root / "state" / "_METADATA").is_file():
             raise _Broken("state/_METADATA is missing")
-        meta = _read_json(os.path.join(root, "meta", "metadata"))
+        meta = _read_json(root / "meta" / "metadata")
         if not isinstance(meta, dict) or meta.get("step") != step:
             raise _Broken(f"meta/metadata does not name step {step}: {str(meta)[:200]}")
-        data_dir = epath.Path(root) / "data"
-        files = sorted(data_dir.glob("process_*-of-*.json"))
+        files = sorted((root / "data").glob("process_*-of-*.json"))
         if not files:
             raise _Broken("data/ holds no process_*-of-*.json input position")
-        return meta, [_read_json(str(f)) for f in files]
+        return meta, [_read_json(f) for f in files]
 
     def _restore_state(self, step: int, abstract_state: Any) -> Any:
         try:
@@ -271,24 +310,112 @@ class Checkpointer:
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("moetext_checkpoint_set_aside:pre")
         if jax.process_index() == 0:
-            dest_root = self.directory + ".broken"
-            os.makedirs(dest_root, exist_ok=True)
+            dest_root = self.directory.parent / (self.directory.name + ".broken")
+            dest_root.mkdir(parents=True, exist_ok=True)
             for step in steps:
-                dest, n = os.path.join(dest_root, str(step)), 1
-                while os.path.exists(dest):
-                    dest, n = os.path.join(dest_root, f"{step}.{n}"), n + 1
-                shutil.move(os.path.join(self.directory, str(step)), dest)
-                _report(f"moved {os.path.join(self.directory, str(step))} to {dest}")
+                dest, n = dest_root / str(step), 1
+                while dest.exists():
+                    dest, n = dest_root / f"{step}.{n}", n + 1
+                (self.directory / str(step)).rename(dest)
+                _report(f"moved {self.directory / str(step)} to {dest}")
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("moetext_checkpoint_set_aside:post")
         self._mngr.reload()
 
     def wait(self) -> None:
-        self._mngr.wait_until_finished()
+        """Blocks until the pending async save is on storage; CheckpointWriteError if it
+        failed."""
+        try:
+            self._mngr.wait_until_finished()
+        except Exception as e:
+            raise self._write_error(e, self._pending or 0) from None
+        self._pending = None
 
     def close(self) -> None:
-        self._mngr.wait_until_finished()
-        self._mngr.close()
+        try:
+            self.wait()
+        finally:
+            self._mngr.close()
+
+
+def _from_orbax(exc: BaseException | None) -> bool:
+    """Whether an exception was raised in orbax's or tensorstore's checkpoint I/O, or is the
+    'Event loop is closed' that tensorstore's completion callbacks hit once orbax has closed
+    the event loop of a failed operation."""
+    if exc is None:
+        return False
+    if _closed_loop_callback(exc):
+        return True
+    if re.match(r"[A-Z_]+: ", str(exc)):  # an absl::Status from tensorstore (C++, no frames)
+        return True
+    tb = exc.__traceback__
+    while tb is not None:
+        if "/orbax/" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _closed_loop_callback(exc: BaseException) -> bool:
+    """RuntimeError('Event loop is closed') raised straight from asyncio's
+    call_soon_threadsafe: a tensorstore completion callback arriving after orbax closed the loop
+    of a failed operation (never an exception of the program itself)."""
+    tb = exc.__traceback__
+    return (
+        isinstance(exc, RuntimeError)
+        and str(exc) == "Event loop is closed"
+        and tb is not None
+        and tb.tb_frame.f_code.co_name == "call_soon_threadsafe"
+    )
+
+
+class _OrbaxFailureNoise(logging.Filter):
+    """A failed save or restore surfaces as one CheckpointWriteError / broken-step line; orbax
+    also logs each failing background thread's traceback (absl), asyncio logs the futures it
+    left unretrieved, and tensorstore prints 'Event loop is closed' per pending callback. This
+    drops those records (only records carrying such an exception), keeping the one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None and record.name == "asyncio" and isinstance(record.args, dict):
+            exc = record.args.get("exception")
+        from_orbax_thread = "raised an exception" in record.getMessage() and (
+            "/orbax/" in record.pathname
+        )
+        return not (_from_orbax(exc) or from_orbax_thread)
+
+
+def _quiet_orbax_failures() -> None:
+    """Installs _OrbaxFailureNoise and an excepthook that drops tensorstore's stray 'Event loop
+    is closed' reports (once per process)."""
+    global _QUIETED
+    if _QUIETED:
+        return
+    _QUIETED = True
+    noise = _OrbaxFailureNoise()
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).addFilter(noise)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(noise)
+    previous = sys.excepthook
+
+    def excepthook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
+        if _closed_loop_callback(value):
+            return
+        previous(tp, value, tb)
+
+    sys.excepthook = excepthook
+    previous_unraisable = sys.unraisablehook
+
+    def unraisablehook(u: Any) -> None:
+        if _from_orbax(u.exc_value):
+            return
+        previous_unraisable(u)
+
+    sys.unraisablehook = unraisablehook
+
+
+_QUIETED = False
 
 
 def abstract_like(tree: Any) -> Any:
@@ -314,12 +441,11 @@ class _JsonState:
         self.value = json.loads(state)
 
 
-def _read_json(path: str) -> Any:
+def _read_json(path: epath.Path) -> Any:
     try:
-        with open(path) as f:
-            return json.load(f)
+        return json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        rel = os.path.join(*path.split(os.sep)[-2:])
+        rel = f"{path.parent.name}/{path.name}"
         raise _Broken(f"{rel} is unreadable: {type(e).__name__}: {e}") from None
 
 

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             f"device(s); run dir {cfg.train.run_dir}",
             flush=True,
         )
-    from moetext.checkpoint import CheckpointError
+    from moetext.checkpoint import CheckpointError, CheckpointWriteError
     from moetext.train.nonfinite import NonFiniteError
 
     try:
@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except CheckpointWriteError as e:  # the checkpoints before it are kept
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -160,6 +160,13 @@ def test_heads_not_divisible_by_kv_heads():
         config.load(TINY, ["model.num_kv_heads=3"])
 
 
+@pytest.mark.parametrize("window", ["[3,3]", "[0,2]", "[5,2]"])
+def test_profile_window_must_be_start_before_stop_from_step_1(window):
+    with pytest.raises(ConfigError, match=r"train.profile_steps=\[.*\] must be \[start, stop\]"):
+        config.load(TINY, [f"train.profile_steps={window}"])
+    assert config.load(TINY, ["train.profile_steps=[1,2]"]).train.profile_steps == (1, 2)
+
+
 def test_batch_not_divisible_by_devices():
     cfg = config.load(TINY, ["data.global_batch_size=6"])
     config.validate_for_devices(cfg, 3)

@@ -1,8 +1,10 @@
-"""Long runs: a real SIGTERM/SIGINT checkpoints and exits 0 (then the run resumes there), and a
-non-finite loss stops the run (or is skipped) without ever writing a non-finite checkpoint."""
+"""Long runs: a real SIGTERM/SIGINT checkpoints and exits 0 (then the run resumes there); kill -9
+loses only the steps since the last checkpoint; a non-finite loss stops the run (or is skipped)
+without ever writing a non-finite checkpoint; run-dir and checkpoint-write failures are one line."""
 
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -17,7 +19,7 @@ import numpy as np
 import pytest
 
 from moetext import config, train
-from moetext.train import loop
+from moetext.train import loop, rundir
 from moetext.train.nonfinite import NonFiniteError
 from moetext.train.preemption import Preemption
 
@@ -161,6 +163,80 @@ def test_ctrl_c_on_one_of_two_processes_stops_both_at_the_same_step(tmp_path):
     assert f"a signal on another process: stopped after step {saved}" in outs[0]
 
 
+def _kill_during_async_save(run_dir, cli: list[str], after_step: int) -> int:
+    """Starts `cli`, SIGKILLs it while orbax writes the first async save of a step past
+    `after_step` (its <step>.orbax-checkpoint-tmp directory exists); returns that step."""
+    ckpts = Path(run_dir) / "checkpoints"
+    proc = subprocess.Popen(
+        cli, cwd=run_dir, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, "the run ended before a save could be interrupted"
+            assert time.monotonic() < deadline, "no checkpoint save seen in time"
+            names = os.listdir(ckpts) if ckpts.exists() else []
+            saving = [int(n.split(".")[0]) for n in names if n.endswith(".orbax-checkpoint-tmp")]
+            if saving and max(saving) > after_step:
+                proc.kill()  # SIGKILL: no handler runs, no save is finished
+                proc.wait(timeout=30)
+                return max(saving)
+            time.sleep(0.001)  # a save of the tiny state takes ~300 ms on 2 cores
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if proc.stderr:
+            proc.stderr.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["synthetic", "tfds"])
+def test_kill_9_during_an_async_save_then_rerun_matches_an_uninterrupted_run(tmp_path, kind):
+    same = [
+        f"data.kind={kind}",
+        "train.steps=16",
+        "train.log_every=1",
+        "train.eval_every=4",
+        "checkpoint.every=4",
+        "checkpoint.async_save=true",
+    ]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    for d in (straight, killed):
+        d.mkdir()
+    ref = subprocess.run(
+        [*_cli(straight, *same), "checkpoint.enabled=false"],
+        cwd=straight,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ref.returncode == 0, ref.stderr[-3000:]
+
+    interrupted = _kill_during_async_save(killed, _cli(killed, *same), after_step=4)
+    # The step being saved never became a checkpoint; the ones before it are complete.
+    assert (killed / "checkpoints" / f"{interrupted}.orbax-checkpoint-tmp").exists()
+    complete = _checkpoints(killed)
+    assert complete and max(complete) == interrupted - 4, (interrupted, complete)
+
+    again = subprocess.run(
+        _cli(killed, *same), cwd=killed, env=_env(), capture_output=True, text=True, timeout=300
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Traceback" not in again.stderr, again.stderr[-3000:]
+    compiled = [r["step"] for r in _rows(killed) if r.get("event") == "compiled"]
+    assert compiled == [0, max(complete)]  # lost only the steps after the last checkpoint
+    # One run's worth of rows (those past the checkpoint were dropped on resume), and the same
+    # numbers bit for bit: same compiled program, optimizer state and data position.
+    keys = ("loss", "grad_norm", "eval_loss")
+    want = {r["step"]: [r.get(k) for k in keys] for r in _rows(straight) if "loss" in r}
+    got = [(r["step"], [r.get(k) for k in keys]) for r in _rows(killed) if "loss" in r]
+    assert [s for s, _ in got] == list(range(1, 17))
+    assert dict(got) == want
+    assert sum(v[2] is not None for v in want.values()) == 4  # eval at 4, 8, 12, 16
+    assert _checkpoints(killed)[-1] == 16
+
+
 @pytest.mark.skipif(
     threading.current_thread() is not threading.main_thread(), reason="signals: main thread"
 )
@@ -244,3 +320,79 @@ def test_skipped_step_keeps_params_and_optimizer_state():
     assert int(after.step) == 2
     got = jax.device_get((after.params, after.opt_state))
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), got, expect)
+
+
+def test_unwritable_run_dir_is_one_error_naming_it_before_anything_is_built(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    bad = blocker / "run"
+    cfg = config.load(TINY, [*QUIET, f"train.run_dir={bad}", "data.kind=synthetic"])
+    with pytest.raises(rundir.RunDirError, match=f"train.run_dir='{bad}' is not writable"):
+        train.run(cfg)
+    assert blocker.read_text() == "not a directory"
+
+
+def test_free_space_warning_compares_the_filesystem_with_the_checkpoint_size(tmp_path):
+    from etils import epath
+
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    path = epath.Path(tmp_path)
+    assert rundir.free_space_warning(path, 1024, keep=3) is None
+    one = rundir.free_space_warning(path, 4 * free, keep=3)
+    assert one and str(tmp_path) in one and "less than one checkpoint needs" in one
+    # Room for one, not for keep + 1 (orbax removes the oldest only after the new one landed).
+    some = rundir.free_space_warning(path, free // 2, keep=3)
+    assert some and "less than 4 checkpoints needs" in some and "checkpoint.keep=3" in some
+    state = {"w": jnp.zeros((3, 5), jnp.bfloat16), "m": jax.ShapeDtypeStruct((7,), jnp.float32)}
+    assert rundir.state_bytes(state) == 3 * 5 * 2 + 7 * 4
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(resource, "prlimit"), reason="needs Linux prlimit")
+def test_a_checkpoint_write_that_fails_is_one_line_and_keeps_the_previous_one(tmp_path):
+    # A real write failure: once checkpoint 4 is complete, the running trainer's file-size limit
+    # drops to 64 KiB (Python ignores SIGXFSZ), so orbax's next write fails with EFBIG.
+    proc = subprocess.Popen(
+        _cli(
+            tmp_path,
+            "data.kind=synthetic",
+            "train.steps=400",
+            "train.log_every=1",
+            "checkpoint.every=4",
+            "train.tensorboard=false",
+        ),
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "checkpoints/4/commit_success.txt").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint 4"
+            time.sleep(0.01)
+        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    assert "Traceback" not in err and "ERROR:" not in err, err[-3000:]
+    (line,) = [x for x in err.splitlines() if x.startswith("error:")]
+    assert f"writing checkpoint {tmp_path / 'checkpoints'}/8 failed" in line, line
+    assert "File too large" in line, line
+    assert f"the previous checkpoint {tmp_path / 'checkpoints' / '4'} is complete and kept" in line
+    assert _checkpoints(tmp_path) == [4]
+    # With room again, the same command resumes from checkpoint 4.
+    again = subprocess.run(
+        _cli(tmp_path, "data.kind=synthetic", "train.steps=6", "train.log_every=1"),
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    compiled = [r["step"] for r in _rows(tmp_path) if r.get("event") == "compiled"]
+    assert compiled[-1] == 4 and _checkpoints(tmp_path)[-1] == 6

@@ -1,15 +1,19 @@
 """Metric sinks: metrics.jsonl after a resume, TensorBoard events read back, the MFU peak."""
 
 import glob
+import gzip
 import json
 import struct
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
 from moetext.train import metrics as metrics_lib
 from moetext.train import peak as peak_lib
+from moetext.train.profiler import StepProfiler
 
 
 def _rows(run_dir):
@@ -142,3 +146,37 @@ def test_mfu_never_exceeds_one_the_peak_rises_instead():
 def test_measure_matmul_flops_runs():
     flops, how = peak_lib.measure_matmul_flops(n=256, reps=3)
     assert flops > 0 and how == "bf16 256^3 matmul, best of 3"
+
+
+def _traced_functions(trace_dir) -> set[str]:
+    """Names of the jitted functions whose calls a Perfetto trace recorded."""
+    (path,) = glob.glob(str(trace_dir / "plugins/profile/*/perfetto_trace.json.gz"))
+    events = json.load(gzip.open(path))["traceEvents"]
+    names = {e.get("name", "") for e in events}
+    return {n[len("PjitFunction(") : -1] for n in names if n.startswith("PjitFunction(")}
+
+
+def test_profiler_traces_exactly_the_window_of_steps(tmp_path):
+    prof = StepProfiler((2, 4), (0,), str(tmp_path))
+    x = jnp.ones((32, 32))
+    lines = []
+    for step in range(1, 6):  # each "step" is a differently named jitted function
+        if line := prof.before_step(step, x):
+            lines.append(line)
+        fn = lambda a: a @ a
+        fn.__name__ = f"marker_step_{step}"
+        x = jax.jit(fn)(x)
+    assert prof.stop(x) is None  # already stopped before step 4
+    assert lines[0] == f"profiler: tracing steps 2..3 into {tmp_path / 'tensorboard'}"
+    traced = {n for n in _traced_functions(tmp_path / "tensorboard") if n.startswith("marker")}
+    assert traced == {"marker_step_2", "marker_step_3"}
+    assert glob.glob(str(tmp_path / "tensorboard/plugins/profile/*/*.xplane.pb"))
+
+
+def test_profiler_off_this_process_or_without_a_window_writes_nothing(tmp_path):
+    for prof in (
+        StepProfiler(None, (0,), str(tmp_path)),
+        StepProfiler((1, 3), (1,), str(tmp_path)),
+    ):
+        assert prof.before_step(1, None) is None and prof.stop(None) is None
+    assert not (tmp_path / "tensorboard").exists()

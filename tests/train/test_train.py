@@ -1,5 +1,6 @@
 """End-to-end training on the tiny config: loss falls, resume is exact, the CLI works."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -74,7 +75,11 @@ def test_resume_gives_identical_losses(tmp_path, kind):
     cfg10 = config.load(TINY, [*common, f"train.run_dir={resumed}"])
     _run_until(cfg10, stop_after=10)
     assert sorted(os.listdir(resumed / "checkpoints")) == ["10"]
-    train.run(cfg10)
+    # The resumed run also traces steps 12..13: profiling does not change a bit of the losses.
+    train.run(
+        dataclasses.replace(cfg10, train=dataclasses.replace(cfg10.train, profile_steps=(12, 14)))
+    )
+    assert list(resumed.glob("tensorboard/plugins/profile/*/*.xplane.pb"))
     a, b = _losses(straight), _losses(resumed)
     assert sorted(b) == list(range(1, 21))
     # Same compiled program, same data position and optimizer state: bit-identical losses.

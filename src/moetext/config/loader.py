@@ -54,9 +54,12 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def save(cfg: Config, path: str | os.PathLike) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+    """Writes the resolved config as YAML (local or any etils.epath filesystem, e.g. gs://)."""
+    from etils import epath
+
+    out = epath.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def validate(cfg: Config) -> None:
@@ -100,6 +103,18 @@ def validate(cfg: Config) -> None:
     if cfg.train.skip_nonfinite_steps < 0:
         raise ConfigError(
             f"train.skip_nonfinite_steps must be >= 0, got {cfg.train.skip_nonfinite_steps}"
+        )
+    if cfg.train.profile_steps is not None:
+        start, stop = cfg.train.profile_steps
+        if not 1 <= start < stop:
+            raise ConfigError(
+                f"train.profile_steps={[start, stop]} must be [start, stop] with "
+                f"1 <= start < stop (steps as the log numbers them, stop exclusive)"
+            )
+    if any(i < 0 for i in cfg.train.profile_processes):
+        raise ConfigError(
+            f"train.profile_processes={list(cfg.train.profile_processes)} must hold process "
+            f"indices >= 0"
         )
     if cfg.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")

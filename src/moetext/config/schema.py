@@ -180,6 +180,11 @@ class TrainConfig:
     skip_nonfinite_steps: int = 0
     """0: a NaN/Inf loss or grad norm stops the run. N > 0: such a step leaves params and
     optimizer state unchanged (logged as skipped); more than N skips in a row stop the run."""
+    profile_steps: tuple[int, int] | None = None
+    """[start, stop]: write a jax.profiler trace of steps start..stop-1 (numbered as logged)
+    under run_dir/tensorboard/ (TensorBoard's profile plugin, or Perfetto). None: no trace."""
+    profile_processes: tuple[int, ...] = (0,)
+    """Process indices that write the profiler trace (each host writes its own)."""
 
 
 @dataclass(frozen=True)

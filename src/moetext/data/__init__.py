@@ -10,11 +10,11 @@ the seeded Markov stream the benchmarks use.
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from etils import epath
 
 from moetext.config import ConfigError, DataConfig
 from moetext.data.batch import Batch
@@ -175,11 +175,11 @@ def resolve_tfds(cfg: DataConfig, vocab_size: int) -> tuple[str, Any]:
 
 
 def _dataset_version_dir(data_dir: str, name: str) -> str:
-    root = os.path.join(data_dir, name)
+    root = epath.Path(data_dir) / name
     versions = [
-        v
-        for v in (os.listdir(root) if os.path.isdir(root) else [])
-        if os.path.exists(os.path.join(root, v, "dataset_info.json"))
+        v.name
+        for v in (root.iterdir() if root.is_dir() else [])
+        if (v / "dataset_info.json").exists()
     ]
     if not versions:
         raise ConfigError(
@@ -188,16 +188,17 @@ def _dataset_version_dir(data_dir: str, name: str) -> str:
             f"--input 'path/to/corpus/*.jsonl' --name {name} --data_dir {data_dir}"
         )
     newest = max(versions, key=lambda v: tuple(int(x) for x in v.split(".") if x.isdigit()))
-    return os.path.join(root, newest)
+    return os.fspath(root / newest)
 
 
-def save_tokenizer(data: TrainData, run_dir: str) -> None:
+def save_tokenizer(data: TrainData, run_dir: str | os.PathLike) -> None:
     """Copies the run's tokenizer into RUN_DIR/tokenizer so the run is self-contained."""
     if data.tokenizer is None:
         return
-    target = os.path.join(run_dir, "tokenizer")
-    shutil.rmtree(target, ignore_errors=True)
-    data.tokenizer.save(target)
+    target = epath.Path(run_dir) / "tokenizer"
+    if target.exists():
+        target.rmtree()
+    data.tokenizer.save(os.fspath(target))
 
 
 __all__ = ["Batch", "SyntheticData", "TrainData", "build", "resolve_tfds", "save_tokenizer"]

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Iterable
 from typing import Any, Protocol
+
+from etils import epath
 
 SENTENCEPIECE_FILE = "tokenizer.model"
 HF_FILE = "tokenizer.json"
@@ -69,10 +70,10 @@ class SentencePieceTokenizer:
 
     def save(self, directory: str) -> str:
         """Copies the model to DIRECTORY/tokenizer.model (loadable as the directory)."""
-        os.makedirs(directory, exist_ok=True)
-        target = os.path.join(directory, SENTENCEPIECE_FILE)
-        shutil.copyfile(self.path, target)
-        return target
+        out = epath.Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        epath.Path(self.path).copy(out / SENTENCEPIECE_FILE, overwrite=True)
+        return os.fspath(out / SENTENCEPIECE_FILE)
 
     def __repr__(self) -> str:
         return f"SentencePieceTokenizer({self.path!r}, vocab_size={self.vocab_size})"
@@ -159,12 +160,12 @@ class HfTokenizer:
 
     def save(self, directory: str) -> str:
         """Copies tokenizer.json (+ tokenizer_config.json) into DIRECTORY."""
-        os.makedirs(directory, exist_ok=True)
-        target = os.path.join(directory, HF_FILE)
-        shutil.copyfile(self.path, target)
+        out = epath.Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        epath.Path(self.path).copy(out / HF_FILE, overwrite=True)
         if self.config_path:
-            shutil.copyfile(self.config_path, os.path.join(directory, HF_CONFIG_FILE))
-        return target
+            epath.Path(self.config_path).copy(out / HF_CONFIG_FILE, overwrite=True)
+        return os.fspath(out / HF_FILE)
 
     def __repr__(self) -> str:
         return f"HfTokenizer({self.path!r}, vocab_size={self.vocab_size})"

@@ -26,8 +26,9 @@ from moetext.models.decoder import moe_layer_pattern
 from moetext.models.flops import flops_per_token
 from moetext.sharding import plan as sharding_plan
 from moetext.train import metrics as metrics_lib
-from moetext.train import nonfinite, preemption
+from moetext.train import nonfinite, preemption, rundir
 from moetext.train import peak as peak_lib
+from moetext.train.profiler import StepProfiler
 from moetext.train.state import TrainState
 from moetext.train.step import make_eval_step, make_train_step
 
@@ -130,18 +131,22 @@ def create_model(cfg: Config) -> nnx.Module:
 
 def run(cfg: Config) -> dict[str, Any]:
     """Trains to cfg.train.steps, resuming from the newest checkpoint; returns the last metrics."""
-    run_dir = cfg.train.run_dir
-    os.makedirs(run_dir, exist_ok=True)
+    # Unwritable run dir: one line before anything is built or compiled.
+    run_dir = rundir.prepare(cfg.train.run_dir)
     plan = make_plan(cfg)
     # Data before the model: a missing dataset or a tokenizer too large for the model fails
     # here, before anything compiles. Each process reads only the rows its devices hold.
     rows = local_rows(plan.batch_sharding, cfg.data.global_batch_size)
     data = data_lib.build(cfg.data, cfg.model.vocab_size, rows)
     if jax.process_index() == 0:
-        config_lib.save(cfg, os.path.join(run_dir, "config.yml"))
+        config_lib.save(cfg, run_dir / "config.yml")
         data_lib.save_tokenizer(data, run_dir)
     b = build(cfg, plan=plan)
     ckpt = Checkpointer(cfg.checkpoint, run_dir) if cfg.checkpoint.enabled else None
+    if ckpt and jax.process_index() == 0:
+        size = rundir.state_bytes(b.state)
+        if warning := rundir.free_space_warning(run_dir, size, cfg.checkpoint.keep):
+            print(warning, file=sys.stderr, flush=True)
     state = _maybe_resume(b, ckpt, data)
     start = int(state.step)
 
@@ -171,6 +176,9 @@ def run(cfg: Config) -> dict[str, Any]:
     preempt = preemption.Preemption(sync_every=cfg.train.log_every)
     last_ckpt = ckpt.latest_path if ckpt else lambda: None
     guard = nonfinite.NonFiniteGuard(cfg.train.skip_nonfinite_steps, last_ckpt, log)
+    profiler = StepProfiler(
+        cfg.train.profile_steps, cfg.train.profile_processes, os.fspath(run_dir)
+    )
     try:
         batch = put(data.next_batch()) if start < cfg.train.steps else None
         if batch is not None:
@@ -181,6 +189,8 @@ def run(cfg: Config) -> dict[str, Any]:
             log.write({"step": start, "event": "compiled", "compile_s": compile_s, **peak.fields()})
         t_last, steps_since = time.perf_counter(), 0
         for step in range(start, cfg.train.steps):
+            if line := profiler.before_step(step + 1, state):
+                log.info(line)
             state, m = train_step(state, batch)
             data_state = data.get_state()  # the position after this step's batch
             if step + 1 < cfg.train.steps:
@@ -220,6 +230,8 @@ def run(cfg: Config) -> dict[str, Any]:
                 preempt.finish(done, ckpt, log)
                 break
     finally:
+        if line := profiler.stop(state):
+            log.info(line)
         preempt.close()
         log.close()
         data.close()

@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from etils import epath
 
 from moetext.models.moe import LOAD_KEY  # expert_load [num_moe_layers, E] in a metrics row
 from moetext.train.peak import Peak
@@ -48,7 +49,7 @@ class MetricsLog:
 
     def __init__(
         self,
-        run_dir: str,
+        run_dir: epath.PathLike,
         total_steps: int,
         start_step: int,
         progress_bar: bool,
@@ -56,15 +57,16 @@ class MetricsLog:
         tensorboard: bool = False,
         moe_pattern: Sequence[bool] = (),
     ):
-        os.makedirs(run_dir, exist_ok=True)
-        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.path = epath.Path(run_dir) / "metrics.jsonl"
         self._layer_ids = [i for i, is_moe in enumerate(moe_pattern) if is_moe]
         self._tb: TensorBoardSink | None = None
+        self._file: _Appender | None = None
         if jax.process_index() == 0:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             truncate_after(self.path, start_step)
+            self._file = _Appender(self.path)
             if tensorboard:
-                self._tb = TensorBoardSink(run_dir, start_step)
-        self._file = open(self.path, "a")  # noqa: SIM115  (closed in close())
+                self._tb = TensorBoardSink(os.fspath(run_dir), start_step)
         self._bar = None
         if progress_bar and jax.process_index() == 0:
             from tqdm import tqdm
@@ -105,9 +107,8 @@ class MetricsLog:
             self._tb.write(int(record["step"]), numeric(record), load, layer_ids)
         shown = {k: v for k, v in record.items() if not k.startswith("expert_imbalance/")}
         record = {k: _plain(v) for k, v in record.items()}
-        if jax.process_index() == 0:
+        if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
         if self._bar is not None:
             keys = [k for k in ("loss", "eval_loss", "tokens_per_s", "mfu") if k in record]
             self._bar.set_postfix({k: _short(record[k]) for k in keys}, refresh=False)
@@ -119,15 +120,43 @@ class MetricsLog:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
-def truncate_after(path: str, step: int) -> None:
+class _Appender:
+    """Appends lines to a file. Local files are appended to and flushed; object stores (gs://)
+    cannot append, so the file is rewritten whole from the lines kept in memory (one small
+    write per logged step)."""
+
+    def __init__(self, path: epath.Path):
+        self.path = path
+        self._local = "://" not in os.fspath(path)
+        if self._local:
+            self._f = open(path, "a")  # noqa: SIM115  (closed in close())
+        else:
+            self._text = path.read_text() if path.exists() else ""
+
+    def write(self, line: str) -> None:
+        if self._local:
+            self._f.write(line)
+            self._f.flush()
+        else:
+            self._text += line
+            self.path.write_text(self._text)
+
+    def close(self) -> None:
+        if self._local:
+            self._f.close()
+
+
+def truncate_after(path: epath.PathLike, step: int) -> None:
     """Rewrites metrics.jsonl (atomically) without rows after `step` or torn lines."""
-    if not os.path.exists(path):
+    path = epath.Path(path)
+    if not path.exists():
         return
     kept, dropped = [], False
-    with open(path) as f:
+    with path.open() as f:
         for line in f:
             try:
                 row = json.loads(line)
@@ -139,10 +168,9 @@ def truncate_after(path: str, step: int) -> None:
                 continue
             kept.append(line if line.endswith("\n") else line + "\n")
     if dropped:
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(kept)
-        os.replace(tmp, path)
+        tmp = path.parent / (path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)
 
 
 def _plain(v):
