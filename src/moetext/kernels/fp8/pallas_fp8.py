@@ -2,7 +2,7 @@
 (pallas_tgmm_fp8.py), and the helpers both share.
 
 Legend: M rows (sorted by group), K contraction, N outputs, L local groups (group_offset ..
-group_offset + L - 1), T grid steps along the group axis (pallas_metadata), tm/tk/tn tiles,
+group_offset + L - 1), T grid steps along the group axis (pallas_common), tm/tk/tn tiles,
 bs the scale block size, nb = K / bs (gmm) or cdiv(M, bs) (tgmm) scale blocks.
 
 Scales are applied as outer products after each bs-long slice of the contraction:
@@ -18,7 +18,8 @@ A full dim is always a legal block, and no unit dim gets padded to a (8, 128) ti
 [nb, M, 1] layout would take 128x its size). The kernel picks block j's column (tm, 1) / row
 (1, tn) by a masked sum over that axis: exact, cheap next to the bs-deep matmul, and free of
 dynamic lane slicing.
-Group schedule and the zero-initialised aliased output follow the bf16 pallas_tpu backend.
+The group schedule, block specs of lhs/rhs/out, the visit/store skeleton and the zero-initialised
+aliased output are pallas_common's, shared with the bf16 pallas_tpu backend.
 """
 
 from __future__ import annotations
@@ -31,24 +32,30 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from moetext.kernels.gmm import tiling as tiling_lib
-from moetext.kernels.gmm.pallas_metadata import cdiv, make_group_metadata, max_visits
+from moetext.kernels.pallas_common import (
+    GMM_DIMENSIONS,
+    NUM_META,
+    Interpret,
+    cdiv,
+    gmm_aliased_out,
+    gmm_block_specs,
+    gmm_step,
+    grouped_grid_spec,
+    make_group_metadata,
+    max_visits,
+    on_gmm_grid,
+    resolve_interpret,
+    round_up,
+    split_refs,
+)
 
-_NUM_META = 5  # starts_L, ends_L, group_ids_T, tile_ids_T, num_visits
 # Chips whose MXU multiplies FP8 natively; elsewhere the tile is widened to bf16 in VMEM (exact:
 # every e4m3/e5m2 value is a bf16 value), which still halves HBM traffic against bf16 operands.
 NATIVE_FP8_CHIPS = frozenset({"tpu7x"})
 
 
-def _chip(chip: str | None) -> str:
-    if chip is not None:
-        return tiling_lib.check_chip(chip)
-    if jax.default_backend() == "tpu":
-        kind = jax.devices()[0].device_kind
-        return tiling_lib.chip_from_device_kind(kind) or tiling_lib.FALLBACK_CHIP
-    return tiling_lib.FALLBACK_CHIP
-
-
-def _mxu_dtype(chip: str, interpret) -> jnp.dtype | None:
+def mxu_dtype(chip: str, interpret: Interpret) -> jnp.dtype | None:
+    """The dtype FP8 tiles are widened to before the dot; None feeds FP8 to the MXU as is."""
     # Interpret mode runs on the host: f32 is exact for FP8 products and fastest on XLA:CPU.
     if interpret is not False:
         return jnp.dtype(jnp.float32)
@@ -70,7 +77,9 @@ def _fit_block(dim: int, want: int, bs: int, op: str, name: str, given: bool) ->
     return t
 
 
-def _tiles(op, tiling, m, k, n, chip, num_groups, bs, blocked: str):
+def fp8_tiling(op, tiling, m, k, n, chip, num_groups, bs, blocked: str):
+    """(tm, tk, tn) with the scale-blocked tile (tk if blocked == "k", tm if "m") a multiple
+    of bs; an explicit tiling that breaks this is a ValueError."""
     explicit = tiling is not None and not callable(tiling)
     tm, tk, tn = tiling_lib.resolve_tiling(
         tiling, m, k, n, jnp.float8_e4m3fn, chip, num_groups=num_groups
@@ -78,19 +87,12 @@ def _tiles(op, tiling, m, k, n, chip, num_groups, bs, blocked: str):
     if blocked == "k":
         tk = _fit_block(k, tk, bs, op, "tk", explicit)
     else:
-        m_pad = cdiv(m, bs) * bs
-        tm = min(tiling[0] if explicit else tm, m_pad)
+        tm = min(tiling[0] if explicit else tm, round_up(m, bs))
         if tm % bs:
             if explicit:
                 raise ValueError(f"{op}: tm={tm} must be a multiple of block_size={bs}")
-            tm = cdiv(tm, bs) * bs
+            tm = round_up(tm, bs)
     return tm, tk, tn
-
-
-def _common(interpret, chip):
-    chip = _chip(chip)
-    interpret = jax.default_backend() != "tpu" if interpret is None else interpret
-    return chip, interpret
 
 
 def gmm_fp8(
@@ -123,20 +125,13 @@ def gmm_fp8(
             f"lhs {lhs_q.shape} scale {lhs_scale.shape}, rhs {rhs_q.shape} scale "
             f"{rhs_scale.shape}, block_size={bs}"
         )
-    chip, interpret = _common(interpret, chip)
-    tm, tk, tn = tiles = _tiles("gmm_fp8", tiling, m, k, n, chip, group_sizes.shape[0], bs, "k")
+    chip, interpret = tiling_lib.resolve_chip(chip), resolve_interpret(interpret)
+    tiles = fp8_tiling("gmm_fp8", tiling, m, k, n, chip, group_sizes.shape[0], bs, "k")
+    tm, tk, tn = tiles
     out_dtype = jnp.dtype(preferred_element_type)
-    for name, shape, dt, blk in (
-        ("lhs", lhs_q.shape, lhs_q.dtype, (("tm", tm), ("tk", tk))),
-        (
-            "rhs",
-            rhs_q.shape,
-            rhs_q.dtype,
-            (("tn", tn), ("tk", tk)) if transpose_rhs else (("tk", tk), ("tn", tn)),
-        ),
-        ("out", (m, n), out_dtype, (("tm", tm), ("tn", tn))),
-    ):
-        tiling_lib.check_block("gmm_fp8", tiles, name, shape, dt, blk)
+    tiling_lib.check_gmm_blocks(
+        "gmm_fp8", tiles, lhs_q, rhs_q, out_dtype, transpose_rhs=transpose_rhs
+    )
     meta = make_group_metadata(
         group_sizes,
         jnp.asarray(group_offset, jnp.int32),
@@ -148,30 +143,12 @@ def gmm_fp8(
     ls = lhs_scale.astype(jnp.float32)  # [M, nb]
     rs = rhs_scale.astype(jnp.float32)
     rs = jnp.swapaxes(rs, 1, 2) if transpose_rhs else rs  # [L, nb, N]
-    sb = tk // bs
-
-    def lhs_map(j, t, i, starts, ends, gids, tids, num):
-        return tids[t], i
-
-    def ls_map(j, t, i, starts, ends, gids, tids, num):
-        return tids[t], 0
-
-    def rhs_map(j, t, i, starts, ends, gids, tids, num):
-        return (gids[t], j, i) if transpose_rhs else (gids[t], i, j)
-
-    def rs_map(j, t, i, starts, ends, gids, tids, num):
-        return gids[t], 0, j
-
-    def out_map(j, t, i, starts, ends, gids, tids, num):
-        return tids[t], j
-
-    # Output aliases a zero buffer so tiles no local group visits read as zeros (see pallas_tpu).
-    init_spec = (
-        pl.BlockSpec((tm, tn), out_map)
-        if interpret is not False
-        else pl.BlockSpec(memory_space=pl.ANY)
-    )
-    rhs_block = (pl.squeezed, tn, tk) if transpose_rhs else (pl.squeezed, tk, tn)
+    lhs_spec, rhs_spec, out_spec = gmm_block_specs(tm, tk, tn, transpose_rhs=transpose_rhs)
+    # Every scale block of the row tile's rows and of the group's columns (nb is the full dim).
+    ls_spec = pl.BlockSpec((tm, nb), on_gmm_grid(lambda j, k, v: (v.tile, 0)))
+    rs_spec = pl.BlockSpec((pl.squeezed, nb, tn), on_gmm_grid(lambda j, k, v: (v.group, 0, j)))
+    # Output aliases a zero buffer so tiles no local group visits read as zeros.
+    init_MN, init_spec, out_mn = gmm_aliased_out(None, m, n, tiles, out_dtype, interpret)
     needed = tiling_lib.vmem_bytes(
         [
             (tm, tk, lhs_q.dtype),
@@ -187,29 +164,22 @@ def gmm_fp8(
         _gmm_kernel,
         tm=tm,
         bs=bs,
-        sb=sb,
+        sb=tk // bs,
         transpose_rhs=transpose_rhs,
-        mxu=_mxu_dtype(chip, interpret),
+        mxu=mxu_dtype(chip, interpret),
     )
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=_NUM_META,
-            grid=(cdiv(n, tn), t_max, k // tk),
-            in_specs=[
-                pl.BlockSpec((tm, tk), lhs_map),
-                pl.BlockSpec((tm, nb), ls_map),
-                pl.BlockSpec(rhs_block, rhs_map),
-                pl.BlockSpec((pl.squeezed, nb, tn), rs_map),
-                init_spec,
-            ],
-            out_specs=pl.BlockSpec((tm, tn), out_map),
-            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+        out_shape=jax.ShapeDtypeStruct(out_mn, out_dtype),
+        grid_spec=grouped_grid_spec(
+            (cdiv(n, tn), t_max, k // tk),
+            [lhs_spec, ls_spec, rhs_spec, rs_spec, init_spec],
+            out_spec,
+            (tm, tn),
         ),
-        input_output_aliases={_NUM_META + 4: 0},
+        input_output_aliases={NUM_META + 4: 0},
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+            dimension_semantics=GMM_DIMENSIONS,
             vmem_limit_bytes=tiling_lib.vmem_limit("gmm_fp8", tiles, needed, chip),
         ),
         interpret=interpret,
@@ -219,40 +189,16 @@ def gmm_fp8(
             bytes_accessed=t_max * (tm * k * cdiv(n, tn) + k * n) + m * n * out_dtype.itemsize,
         ),
         name="moetext_gmm_fp8",
-    )(*meta, lhs_q, ls, rhs_q, rs, jnp.zeros((m, n), out_dtype))
+    )(*meta, lhs_q, ls, rhs_q, rs, init_MN)[:m, :n]
 
 
-def _gmm_kernel(
-    starts_L,
-    ends_L,
-    gids_T,
-    tiles_T,
-    num_1,
-    lhs_ref,
-    ls_ref,
-    rhs_ref,
-    rs_ref,
-    init_ref,
-    out_ref,
-    acc_ref,
-    *,
-    tm,
-    bs,
-    sb,
-    transpose_rhs,
-    mxu,
-):
-    del init_ref  # only aliased: tiles no visit touches keep its zeros
-    t, ki = pl.program_id(1), pl.program_id(2)
-    last_k = pl.num_programs(2) - 1
-    num_visits = num_1[0]
+def _gmm_kernel(*refs, tm, bs, sb, transpose_rhs, mxu):
+    """acc[tm, tn] += (lhs[:, kb] @ rhs[kb, :]) * ls[kb][tm, 1] * rs[kb][1, tn] for the sb
+    scale blocks kb of the K tile."""
+    meta, (lhs_ref, ls_ref, rhs_ref, rs_ref, _init_ref, out_ref, acc_ref) = split_refs(refs)
+    ki = pl.program_id(2)
 
-    @pl.when(t < num_visits)
-    def _visit():
-        @pl.when(ki == 0)
-        def _():
-            acc_ref[...] = jnp.zeros_like(acc_ref)
-
+    def accumulate():
         acc = acc_ref[...]
         ls, rs = ls_ref[...], rs_ref[...]  # [tm, nb], [nb, tn]
         for s in range(sb):  # subchannel loop: one scale block of the contraction at a time
@@ -268,25 +214,16 @@ def _gmm_kernel(
                 preferred_element_type=jnp.float32,
             )
             kb = ki * sb + s
-            acc += part * _pick(ls, kb, axis=1) * _pick(rs, kb, axis=0)
+            acc += part * pick_scale(ls, kb, axis=1) * pick_scale(rs, kb, axis=0)
         acc_ref[...] = acc
 
-        @pl.when(ki == last_k)
-        def _store():
-            g, tile = gids_T[t], tiles_T[t]
-            rows = tile * tm + jax.lax.broadcasted_iota(jnp.int32, out_ref.shape, 0)
-            mine = (rows >= starts_L[g]) & (rows < ends_L[g])
-            res = acc_ref[...].astype(out_ref.dtype)
-            first = (t == 0) | (tiles_T[jnp.maximum(t - 1, 0)] != tile)
-            keep = jnp.where(first, jnp.zeros_like(res), out_ref[...])
-            out_ref[...] = jnp.where(mine, res, keep)
+    def zeros():  # the aliased init is never read: tiles no visit touches keep its zeros
+        return jnp.zeros(out_ref.shape, out_ref.dtype)
 
-    @pl.when((num_visits == 0) & (t == 0) & (ki == last_k))
-    def _empty():
-        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+    gmm_step(meta, out_ref, acc_ref, tm=tm, accumulate=accumulate, base=zeros)
 
 
-def _pick(scales, idx, *, axis: int):
+def pick_scale(scales, idx, *, axis: int):
     """Entry idx of `axis` as a broadcastable column (axis=1) or row (axis=0), by masked sum."""
     pos = jax.lax.broadcasted_iota(jnp.int32, scales.shape, axis)
     return jnp.sum(jnp.where(pos == idx, scales, 0.0), axis=axis, keepdims=True)

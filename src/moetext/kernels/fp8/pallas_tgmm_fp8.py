@@ -1,7 +1,7 @@
 """Pallas TPU tgmm on FP8 operands blocked along M (the reduction axis): tgmm_fp8.
 
 Legend: M rows (sorted by group), K, N the output dims, L local groups, T grid steps along the
-group axis (pallas_metadata), tm/tk/tn tiles, bs the scale block size, Mb = cdiv(M, tm) * tm /
+group axis (pallas_common), tm/tk/tn tiles, bs the scale block size, Mb = cdiv(M, tm) * tm /
 bs scale blocks (padded to whole row tiles). The scheme is described in pallas_fp8.py.
 """
 
@@ -14,9 +14,21 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from moetext.kernels.fp8.pallas_fp8 import _NUM_META, _common, _mxu_dtype, _pick, _tiles
+from moetext.kernels.fp8.pallas_fp8 import fp8_tiling, mxu_dtype, pick_scale
 from moetext.kernels.gmm import tiling as tiling_lib
-from moetext.kernels.gmm.pallas_metadata import cdiv, make_group_metadata, max_visits
+from moetext.kernels.pallas_common import (
+    TGMM_DIMENSIONS,
+    cdiv,
+    grouped_grid_spec,
+    make_group_metadata,
+    max_visits,
+    on_tgmm_grid,
+    resolve_interpret,
+    split_refs,
+    tgmm_block_specs,
+    tgmm_step,
+    zero_rows_outside,
+)
 
 
 def tgmm_fp8(
@@ -46,15 +58,11 @@ def tgmm_fp8(
             f"[cdiv(M, bs), N]; got lhs {lhs_q.shape} scale {lhs_scale.shape}, rhs "
             f"{rhs_q.shape} scale {rhs_scale.shape}, block_size={bs}"
         )
-    chip, interpret = _common(interpret, chip)
-    tm, tk, tn = tiles = _tiles("tgmm_fp8", tiling, m, k, n, chip, group_sizes.shape[0], bs, "m")
+    chip, interpret = tiling_lib.resolve_chip(chip), resolve_interpret(interpret)
+    tiles = fp8_tiling("tgmm_fp8", tiling, m, k, n, chip, group_sizes.shape[0], bs, "m")
+    tm, tk, tn = tiles
     out_dtype = jnp.dtype(preferred_element_type)
-    for name, shape, dt, blk in (
-        ("lhs", lhs_q.shape, lhs_q.dtype, (("tm", tm), ("tk", tk))),
-        ("rhs", rhs_q.shape, rhs_q.dtype, (("tm", tm), ("tn", tn))),
-        ("out", (k, n), out_dtype, (("tk", tk), ("tn", tn))),
-    ):
-        tiling_lib.check_block("tgmm_fp8", tiles, name, shape, dt, blk)
+    tiling_lib.check_tgmm_blocks("tgmm_fp8", tiles, lhs_q, rhs_q, out_dtype)
     meta = make_group_metadata(
         group_sizes,
         jnp.asarray(group_offset, jnp.int32),
@@ -70,22 +78,10 @@ def tgmm_fp8(
     pad = ((0, mb_pad - mb), (0, 0))
     ls = jnp.pad(lhs_scale.astype(jnp.float32), pad, constant_values=1).T  # [K, Mb]
     rs = jnp.pad(rhs_scale.astype(jnp.float32), pad, constant_values=1)  # [Mb, N]
-
-    def lhs_map(i, j, t, starts, ends, gids, tids, num):
-        return tids[t], i
-
-    def ls_map(i, j, t, starts, ends, gids, tids, num):
-        return i, 0
-
-    def rhs_map(i, j, t, starts, ends, gids, tids, num):
-        return tids[t], j
-
-    def rs_map(i, j, t, starts, ends, gids, tids, num):
-        return 0, j
-
-    def out_map(i, j, t, starts, ends, gids, tids, num):
-        return gids[t], i, j
-
+    lhs_spec, rhs_spec, out_spec = tgmm_block_specs(tm, tk, tn)
+    # Every row block's scales, for the K tile's rows of ls and the N tile's columns of rs.
+    ls_spec = pl.BlockSpec((tk, mb_pad), on_tgmm_grid(lambda i, j, v: (i, 0)))
+    rs_spec = pl.BlockSpec((mb_pad, tn), on_tgmm_grid(lambda i, j, v: (0, j)))
     needed = tiling_lib.vmem_bytes(
         [
             (tm, tk, lhs_q.dtype),
@@ -98,22 +94,16 @@ def tgmm_fp8(
     )
     t_max = max_visits(m, tm, num_groups)
     return pl.pallas_call(
-        functools.partial(_tgmm_kernel, tm=tm, bs=bs, sb=sb, mxu=_mxu_dtype(chip, interpret)),
+        functools.partial(_tgmm_kernel, tm=tm, bs=bs, sb=sb, mxu=mxu_dtype(chip, interpret)),
         out_shape=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=_NUM_META,
-            grid=(cdiv(k, tk), cdiv(n, tn), t_max),
-            in_specs=[
-                pl.BlockSpec((tm, tk), lhs_map),
-                pl.BlockSpec((tk, mb_pad), ls_map),
-                pl.BlockSpec((tm, tn), rhs_map),
-                pl.BlockSpec((mb_pad, tn), rs_map),
-            ],
-            out_specs=pl.BlockSpec((pl.squeezed, tk, tn), out_map),
-            scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
+        grid_spec=grouped_grid_spec(
+            (cdiv(k, tk), cdiv(n, tn), t_max),
+            [lhs_spec, ls_spec, rhs_spec, rs_spec],
+            out_spec,
+            (tk, tn),
         ),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary"),
+            dimension_semantics=TGMM_DIMENSIONS,
             vmem_limit_bytes=tiling_lib.vmem_limit("tgmm_fp8", tiles, needed, chip),
         ),
         interpret=interpret,
@@ -127,36 +117,12 @@ def tgmm_fp8(
     )(*meta, lhs_q, ls, rhs_q, rs)
 
 
-def _tgmm_kernel(
-    starts_L,
-    ends_L,
-    gids_T,
-    tiles_T,
-    num_1,
-    lhs_ref,
-    ls_ref,
-    rhs_ref,
-    rs_ref,
-    out_ref,
-    acc_ref,
-    *,
-    tm,
-    bs,
-    sb,
-    mxu,
-):
-    t, last_t = pl.program_id(2), pl.num_programs(2) - 1
-    num_visits = num_1[0]
-    g, tile = gids_T[t], tiles_T[t]
-    first = (t == 0) | (gids_T[jnp.maximum(t - 1, 0)] != g)
-    last = (t == num_visits - 1) | (gids_T[jnp.minimum(t + 1, last_t)] != g)
+def _tgmm_kernel(*refs, tm, bs, sb, mxu):
+    """acc[tk, tn] += (lhs[mb, :].T @ rhs[mb, :]) * ls[mb][tk, 1] * rs[mb][1, tn] for the sb
+    scale blocks mb of the row tile, over the rows of the visited group."""
+    meta, (lhs_ref, ls_ref, rhs_ref, rs_ref, out_ref, acc_ref) = split_refs(refs)
 
-    @pl.when(t < num_visits)
-    def _visit():
-        @pl.when(first)
-        def _():
-            acc_ref[...] = jnp.zeros_like(acc_ref)
-
+    def accumulate(tile, start, end):
         acc = acc_ref[...]
         ls, rs = ls_ref[...], rs_ref[...]  # [tk, Mb], [Mb, tn]: every row block's scales
         for s in range(sb):  # subchannel loop along M: each bs-row block has its own scales
@@ -166,20 +132,13 @@ def _tgmm_kernel(
                 lhs, rhs = lhs.astype(mxu), rhs.astype(mxu)
             row0 = tile * tm + s * bs
             # Both operands are masked: rows past M hold garbage (maybe NaN), NaN * 0 is NaN.
-            lhs = _own_rows(lhs, row0, starts_L[g], ends_L[g])
-            rhs = _own_rows(rhs, row0, starts_L[g], ends_L[g])
+            lhs = zero_rows_outside(lhs, row0, start, end)
+            rhs = zero_rows_outside(rhs, row0, start, end)
             part = jax.lax.dot_general(
                 lhs, rhs, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
             )
             mblk = tile * sb + s
-            acc += part * _pick(ls, mblk, axis=1) * _pick(rs, mblk, axis=0)
+            acc += part * pick_scale(ls, mblk, axis=1) * pick_scale(rs, mblk, axis=0)
         acc_ref[...] = acc
 
-        @pl.when(last)
-        def _():
-            out_ref[...] = acc_ref[...].astype(out_ref.dtype)
-
-
-def _own_rows(x, row0, start, end):
-    rows = row0 + jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
-    return jnp.where((rows >= start) & (rows < end), x, jnp.zeros((), x.dtype))
+    tgmm_step(meta, out_ref, acc_ref, accumulate=accumulate)

@@ -25,14 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from moetext.kernels.fp8.quantize_pallas import quantize_minor
+from moetext.kernels.pallas_common import cdiv as cdiv  # re-exported: qag imports it from here
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
 _TINY = float(np.finfo(np.float32).tiny)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def max_finite(dtype) -> float:

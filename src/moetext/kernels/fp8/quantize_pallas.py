@@ -21,6 +21,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from moetext.kernels.pallas_common import cdiv, resolve_interpret
+
 _TINY = float(np.finfo(np.float32).tiny)
 _TILE_BYTES = 2 << 20  # float32 bytes of one row tile in VMEM
 
@@ -36,18 +38,17 @@ def quantize_minor(x, *, block_size: int, dtype, interpret=None):
     r = x2.shape[0]
     tr = max(32, min(1024, _TILE_BYTES // (4 * c)) // 32 * 32)
     tr = r if r <= tr else tr  # a block equal to the full dim is always legal
-    interpret = jax.default_backend() != "tpu" if interpret is None else interpret
     q, s = pl.pallas_call(
         functools.partial(_kernel, bs=bs, nb=nb, fmax=float(jnp.finfo(dtype).max)),
         out_shape=(jax.ShapeDtypeStruct((r, c), dtype), jax.ShapeDtypeStruct((r, nb), jnp.float32)),
-        grid=(pl.cdiv(r, tr),),
+        grid=(cdiv(r, tr),),
         in_specs=[pl.BlockSpec((tr, c), lambda i: (i, 0))],
         out_specs=(
             pl.BlockSpec((tr, c), lambda i: (i, 0)),
             pl.BlockSpec((tr, nb), lambda i: (i, 0)),
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
-        interpret=interpret,
+        interpret=resolve_interpret(interpret),
         name="moetext_fp8_quantize",
     )(x2)
     return q.reshape(x.shape), s.reshape(*lead, nb)

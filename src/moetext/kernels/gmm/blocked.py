@@ -26,14 +26,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from moetext.kernels.gmm.backend import Tiling, register
+from moetext.kernels.pallas_common import pow2_ceil
 
 _MAX_TM = 512  # larger full tiles gain nothing measurable on XLA:CPU and raise the waste bound
 _MIN_TM = 128  # below this a full tile is too small to reach matmul speed
 _SIZES_BELOW_TM = 16  # smallest remainder tile is tm / 16: each size is one more compiled dot
-
-
-def _pow2_at_least(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
 
 
 def choose_tiles(m: int, num_local: int, tiling: Tiling | None = None) -> tuple[int, ...]:
@@ -45,9 +42,9 @@ def choose_tiles(m: int, num_local: int, tiling: Tiling | None = None) -> tuple[
     exceeds M (rounded down to a power of two) because tiles are clamped slices of lhs.
     """
     if tiling is not None and not callable(tiling):
-        tm = _pow2_at_least(tiling[0])
+        tm = pow2_ceil(tiling[0])
     else:  # a callable tiling is a per-chip TPU table (tiling.py); CPU tiles are chosen here
-        tm = min(_MAX_TM, max(_MIN_TM, _pow2_at_least(2 * m // max(num_local, 1))))
+        tm = min(_MAX_TM, max(_MIN_TM, pow2_ceil(2 * m // max(num_local, 1))))
     tm = min(tm, 1 << (max(m, 1).bit_length() - 1))
     smallest = min(tm, max(8, tm // _SIZES_BELOW_TM))
     return tuple(tm >> i for i in range((tm // smallest).bit_length()))

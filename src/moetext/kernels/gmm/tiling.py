@@ -12,9 +12,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from moetext.kernels.gmm.backend import Tiling
+from moetext.kernels.pallas_common import cdiv, pow2_ceil
 
 TilingArg = Tiling | Callable[..., Tiling] | None
 
@@ -64,12 +67,13 @@ def check_chip(chip: str) -> str:
     return chip
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2_ceil(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
+def resolve_chip(chip: str | None) -> str:
+    """`chip` checked; None: the local TPU's generation, else FALLBACK_CHIP."""
+    if chip is not None:
+        return check_chip(chip)
+    if jax.default_backend() == "tpu":
+        return chip_from_device_kind(jax.devices()[0].device_kind) or FALLBACK_CHIP
+    return FALLBACK_CHIP
 
 
 def _fit(dim: int, target: int, align: int) -> int:
@@ -82,7 +86,9 @@ def _fit(dim: int, target: int, align: int) -> int:
     return target
 
 
-def default_tiling(m: int, k: int, n: int, dtype, chip: str, *, num_groups: int = 1) -> Tiling:
+def default_tiling(
+    m: int, k: int, n: int, dtype: DTypeLike, chip: str, *, num_groups: int = 1
+) -> Tiling:
     """Per-generation tiles, shrunk for wide dtypes, divisors of K and N where possible.
 
     tm follows the mean rows per group: a row tile shared by several groups is recomputed once
@@ -93,7 +99,7 @@ def default_tiling(m: int, k: int, n: int, dtype, chip: str, *, num_groups: int 
     if jnp.dtype(dtype).itemsize >= 4:
         tk0 //= 2  # keeps VMEM per step near the 16-bit budget
     mean_rows = max(1, m // max(1, num_groups))
-    tm = min(tm0, max(LANES, _pow2_ceil(mean_rows)))
+    tm = min(tm0, max(LANES, pow2_ceil(mean_rows)))
     tn = _fit(n, tn0, spec.mxu)
     # gmm splits the N tiles across a megacore's TensorCores: one N tile idles a core.
     while cdiv(n, tn) < spec.cores and tn % (2 * LANES) == 0:
@@ -102,7 +108,7 @@ def default_tiling(m: int, k: int, n: int, dtype, chip: str, *, num_groups: int 
 
 
 def resolve_tiling(
-    tiling: TilingArg, m: int, k: int, n: int, dtype, chip: str, *, num_groups: int
+    tiling: TilingArg, m: int, k: int, n: int, dtype: DTypeLike, chip: str, *, num_groups: int
 ) -> Tiling:
     """The (tm, tk, tn) for one call, clamped to (m, k, n)."""
     given: Sequence[int]
@@ -114,20 +120,25 @@ def resolve_tiling(
         given = tiling
     try:
         tiles = tuple(int(t) for t in given)
-    except TypeError as e:
-        raise ValueError(f"tiling must be three positive ints (tm, tk, tn), got {tiles!r}") from e
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"tiling must be three positive ints (tm, tk, tn), got {given!r}") from e
     if len(tiles) != 3 or min(tiles) <= 0:
         raise ValueError(f"tiling must be three positive ints (tm, tk, tn), got {tiles}")
     return min(tiles[0], m), min(tiles[1], k), min(tiles[2], n)
 
 
-def sublanes(dtype) -> int:
+def sublanes(dtype: DTypeLike) -> int:
     """Second-minor block multiple: 8 for 32-bit, 16 for 16-bit, 32 for 8-bit (packed rows)."""
-    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+    return 8 * max(1, 4 // int(jnp.dtype(dtype).itemsize))
 
 
 def check_block(
-    op: str, tiling: Tiling, name: str, shape: Sequence[int], dtype, block: Sequence[tuple]
+    op: str,
+    tiling: Tiling,
+    name: str,
+    shape: Sequence[int],
+    dtype: DTypeLike,
+    block: Sequence[tuple[str, int]],
 ) -> None:
     """TPU rule: the last two block dims divide by (sublanes, 128) or equal the array dims.
 
@@ -144,11 +155,43 @@ def check_block(
             )
 
 
-def vmem_bytes(in_blocks: Sequence[tuple[int, int, object]], out_block, acc_shape) -> int:
+def check_gmm_blocks(
+    op: str,
+    tiling: Tiling,
+    lhs: jax.Array,
+    rhs: jax.Array,
+    out_dtype: DTypeLike,
+    *,
+    transpose_rhs: bool,
+) -> None:
+    """check_block for gmm's lhs [M, K], rhs [L, K, N] ([L, N, K]) and out [M, N]."""
+    tm, tk, tn = tiling
+    m, n = lhs.shape[0], rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    rhs_block = (("tn", tn), ("tk", tk)) if transpose_rhs else (("tk", tk), ("tn", tn))
+    check_block(op, tiling, "lhs", lhs.shape, lhs.dtype, (("tm", tm), ("tk", tk)))
+    check_block(op, tiling, "rhs", rhs.shape, rhs.dtype, rhs_block)
+    check_block(op, tiling, "out", (m, n), out_dtype, (("tm", tm), ("tn", tn)))
+
+
+def check_tgmm_blocks(
+    op: str, tiling: Tiling, lhs: jax.Array, rhs: jax.Array, out_dtype: DTypeLike
+) -> None:
+    """check_block for tgmm's lhs [M, K], rhs [M, N] and out [L, K, N]."""
+    tm, tk, tn = tiling
+    k, n = lhs.shape[1], rhs.shape[1]
+    check_block(op, tiling, "lhs", lhs.shape, lhs.dtype, (("tm", tm), ("tk", tk)))
+    check_block(op, tiling, "rhs", rhs.shape, rhs.dtype, (("tm", tm), ("tn", tn)))
+    check_block(op, tiling, "out", (k, n), out_dtype, (("tk", tk), ("tn", tn)))
+
+
+Block = tuple[int, int, DTypeLike]  # (rows, cols, dtype) of one VMEM block
+
+
+def vmem_bytes(in_blocks: Sequence[Block], out_block: Block, acc_shape: tuple[int, int]) -> int:
     """Double-buffered input and output blocks plus the f32 accumulator."""
 
-    def nbytes(b):
-        return b[0] * b[1] * jnp.dtype(b[2]).itemsize
+    def nbytes(b: Block) -> int:
+        return b[0] * b[1] * int(jnp.dtype(b[2]).itemsize)
 
     return (
         2 * sum(nbytes(b) for b in in_blocks)
