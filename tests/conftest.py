@@ -16,7 +16,7 @@ os.environ.setdefault(
     "MOETEXT_DATA_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache/moetext_data")
 )
 
-import moetext  # noqa: E402,F401  (sets platform defaults before jax initialises)
+import moetext  # noqa: E402,F401  (quiets libtpu before jax initialises)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.resources
 import os
 import types
 import typing
@@ -23,9 +24,23 @@ class ConfigError(ValueError):
     """A config that cannot be loaded: unknown key, wrong type, missing file, bad value."""
 
 
+def _shipped_configs() -> Path:
+    # Package data (the repository's configs/ links here), so a wheel install has them too.
+    root = importlib.resources.files("moetext") / "configs"
+    return root if isinstance(root, Path) else Path(str(root))
+
+
+SHIPPED_CONFIGS = _shipped_configs()
+"""base.yml, models/*.yml and sharding/*.yml as shipped with moetext."""
+
+
 def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Config:
-    """Loads `path` (following `base_config` chains) and applies `section.key=value` overrides."""
-    raw = _load_yaml_tree(Path(path), seen=())
+    """Loads `path` (following `base_config` chains) and applies `section.key=value` overrides.
+
+    A relative `configs/...` path that does not exist here names a shipped config, so
+    `python -m train configs/models/tiny-qwen3-moe.yml` works from any directory.
+    """
+    raw = _load_yaml_tree(_locate(path), seen=())
     for item in overrides:
         key, value = _split_override(item)
         _set_dotted(raw, key, value)
@@ -181,9 +196,28 @@ def validate_for_devices(cfg: Config, num_devices: int) -> None:
 # --- YAML tree -------------------------------------------------------------------------------
 
 
+def _locate(path: str | os.PathLike) -> Path:
+    """`path` itself, or the shipped config it names when it is a relative `configs/...` path
+    that does not exist relative to the working directory."""
+    given = Path(path)
+    if given.exists() or not _names_shipped(given):
+        return given
+    shipped = SHIPPED_CONFIGS.joinpath(*given.parts[1:])
+    return shipped if shipped.exists() else given
+
+
+def _names_shipped(path: Path) -> bool:
+    return not path.is_absolute() and path.parts[:1] == ("configs",)
+
+
 def _load_yaml_tree(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     if not path.is_file():
-        raise ConfigError(f"config file not found: {str(path)!r}")
+        hint = ""
+        if not seen and _names_shipped(path):
+            shipped = sorted((SHIPPED_CONFIGS / "models").glob("*.yml"))
+            names = ", ".join(f"configs/models/{p.name}" for p in shipped)
+            hint = f", nor among the configs shipped with moetext ({names or SHIPPED_CONFIGS})"
+        raise ConfigError(f"config file not found: {str(path)!r}{hint}")
     path = path.resolve()
     if path in seen:
         chain = " -> ".join(str(p) for p in (*seen, path))

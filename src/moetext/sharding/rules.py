@@ -23,10 +23,10 @@ from typing import Any
 
 import yaml
 
-from moetext.config.loader import ConfigError
+from moetext.config.loader import SHIPPED_CONFIGS, ConfigError
 from moetext.config.schema import ShardingConfig
 
-PRESET_DIR = Path(__file__).resolve().parents[3] / "configs" / "sharding"
+PRESET_DIR = SHIPPED_CONFIGS / "sharding"
 
 MeshTarget = str | tuple[str, ...] | None
 Rule = tuple[str, MeshTarget]
