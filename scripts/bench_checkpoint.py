@@ -26,7 +26,12 @@ from moetext import train
 
 def run_arm(args: argparse.Namespace, every: int | None, run_dir: str) -> dict[int, float]:
     """{step: step_time_s} of one training run (every=None: checkpointing off)."""
-    ckpt = [f"checkpoint.every={every}", "checkpoint.async_save=true", "checkpoint.keep=2"]
+    ckpt = [
+        "checkpoint.enabled=true",
+        f"checkpoint.every={every}",
+        "checkpoint.async_save=true",
+        "checkpoint.keep=2",
+    ]
     cfg = config_lib.load(
         args.config,
         [

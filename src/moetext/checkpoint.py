@@ -37,7 +37,8 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from moetext.config import CheckpointConfig, Config, ConfigError, to_dict
+from moetext.config import CheckpointConfig, Config, to_dict
+from moetext.errors import ConfigError
 
 ITEMS = ("state", "meta", "data")
 COMMIT_FILE = "commit_success.txt"  # orbax writes it last, into the step and each item

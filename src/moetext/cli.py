@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moetext.config import ConfigError
+from moetext.errors import ConfigError
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -1,14 +1,8 @@
-"""Configuration: frozen dataclasses per component and the YAML loader."""
+"""Configuration: frozen dataclasses per component (each checks itself), the YAML loader, the
+cross-section checks (`validate`) and the sharding presets (`presets`). Imports no other
+moetext package but `moetext.errors`."""
 
-from moetext.config.loader import (
-    ConfigError,
-    from_dict,
-    load,
-    save,
-    to_dict,
-    validate,
-    validate_for_devices,
-)
+from moetext.config.loader import from_dict, load, save, to_dict
 from moetext.config.schema import (
     CheckpointConfig,
     Config,
@@ -21,6 +15,8 @@ from moetext.config.schema import (
     ShardingConfig,
     TrainConfig,
 )
+from moetext.config.validate import validate, validate_for_devices
+from moetext.errors import ConfigError
 
 __all__ = [
     "CheckpointConfig",

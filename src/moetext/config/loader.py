@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib.resources
 import os
 import types
 import typing
@@ -18,20 +17,9 @@ from typing import Any
 import yaml
 
 from moetext.config.schema import Config
-
-
-class ConfigError(ValueError):
-    """A config that cannot be loaded: unknown key, wrong type, missing file, bad value."""
-
-
-def _shipped_configs() -> Path:
-    # Package data (the repository's configs/ links here), so a wheel install has them too.
-    root = importlib.resources.files("moetext") / "configs"
-    return root if isinstance(root, Path) else Path(str(root))
-
-
-SHIPPED_CONFIGS = _shipped_configs()
-"""base.yml, models/*.yml and sharding/*.yml as shipped with moetext."""
+from moetext.config.shipped import SHIPPED_CONFIGS
+from moetext.config.validate import validate
+from moetext.errors import ConfigError
 
 
 def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Config:
@@ -75,122 +63,6 @@ def save(cfg: Config, path: str | os.PathLike) -> None:
     out = epath.Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-
-
-def validate(cfg: Config) -> None:
-    """Cross-field checks that need no devices."""
-    m, moe, d = cfg.model, cfg.moe, cfg.data
-    for name, value in [
-        ("model.vocab_size", m.vocab_size),
-        ("model.emb_dim", m.emb_dim),
-        ("model.num_layers", m.num_layers),
-        ("model.num_heads", m.num_heads),
-        ("model.num_kv_heads", m.num_kv_heads),
-        ("model.head_dim", m.head_dim),
-        ("moe.num_experts", moe.num_experts),
-        ("moe.num_experts_per_tok", moe.num_experts_per_tok),
-        ("moe.moe_intermediate_size", moe.moe_intermediate_size),
-        ("data.seq_len", d.seq_len),
-        ("data.global_batch_size", d.global_batch_size),
-        ("train.log_every", cfg.train.log_every),
-        ("checkpoint.every", cfg.checkpoint.every),
-        ("model.decoder_sparse_step", m.decoder_sparse_step),
-    ]:
-        if value <= 0:
-            raise ConfigError(f"{name} must be positive, got {value}")
-    if moe.num_experts_per_tok > moe.num_experts:
-        raise ConfigError(
-            f"moe.num_experts_per_tok={moe.num_experts_per_tok} exceeds "
-            f"moe.num_experts={moe.num_experts}: a token cannot pick more experts than exist"
-        )
-    if m.num_heads % m.num_kv_heads:
-        raise ConfigError(
-            f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads="
-            f"{m.num_kv_heads}: grouped-query attention needs whole groups"
-        )
-    if m.head_dim % 2:
-        raise ConfigError(f"model.head_dim={m.head_dim} must be even for RoPE")
-    bad = [i for i in m.mlp_only_layers if not 0 <= i < m.num_layers]
-    if bad:
-        raise ConfigError(f"model.mlp_only_layers {bad} out of range [0, {m.num_layers})")
-    if cfg.train.steps < 0:
-        raise ConfigError(f"train.steps must be >= 0, got {cfg.train.steps}")
-    if cfg.train.skip_nonfinite_steps < 0:
-        raise ConfigError(
-            f"train.skip_nonfinite_steps must be >= 0, got {cfg.train.skip_nonfinite_steps}"
-        )
-    if cfg.train.profile_steps is not None:
-        start, stop = cfg.train.profile_steps
-        if not 1 <= start < stop:
-            raise ConfigError(
-                f"train.profile_steps={[start, stop]} must be [start, stop] with "
-                f"1 <= start < stop (steps as the log numbers them, stop exclusive)"
-            )
-    if any(i < 0 for i in cfg.train.profile_processes):
-        raise ConfigError(
-            f"train.profile_processes={list(cfg.train.profile_processes)} must hold process "
-            f"indices >= 0"
-        )
-    if cfg.checkpoint.keep < 1:
-        raise ConfigError(f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")
-    if moe.capacity_factor <= 0:
-        raise ConfigError(f"moe.capacity_factor must be positive, got {moe.capacity_factor}")
-    k = cfg.kernels
-    if k.quantization != "none" and moe.dispatch != "dropless":
-        raise ConfigError(
-            f"kernels.quantization={k.quantization!r} needs moe.dispatch='dropless' (the grouped "
-            f"matmuls it quantizes); moe.dispatch={moe.dispatch!r} runs plain einsums"
-        )
-    if k.qag and k.quantization != "fp8_blockwise":
-        raise ConfigError(
-            f"kernels.qag=true all-gathers FP8 expert weights, so it needs "
-            f"kernels.quantization='fp8_blockwise', got {k.quantization!r}"
-        )
-    _validate_data(cfg)
-    _validate_sharding(cfg)
-
-
-def _validate_data(cfg: Config) -> None:
-    d = cfg.data
-    if d.kind == "tfds" and not d.name:
-        raise ConfigError(
-            "data.kind='tfds' needs data.name: the dataset prepared with "
-            "`python -m moetext.data.prepare --name NAME`, or python_docs (the embedded corpus)"
-        )
-    if d.eval_batches < 1 and cfg.train.eval_every:
-        raise ConfigError(
-            f"train.eval_every={cfg.train.eval_every} needs data.eval_batches >= 1, "
-            f"got {d.eval_batches}"
-        )
-    if d.prefetch < 1:
-        raise ConfigError(f"data.prefetch must be >= 1, got {d.prefetch}")
-
-
-def _validate_sharding(cfg: Config) -> None:
-    from moetext.sharding import rules  # lazy: the sharding package imports jax
-
-    rules.resolve(cfg.sharding)  # preset exists, axes known, sizes valid, at most one -1
-    dist = cfg.distributed
-    if dist.num_processes is not None and dist.num_processes < 1:
-        raise ConfigError(f"distributed.num_processes must be >= 1, got {dist.num_processes}")
-    if dist.num_processes is not None and dist.process_id is not None:
-        if not 0 <= dist.process_id < dist.num_processes:
-            raise ConfigError(
-                f"distributed.process_id={dist.process_id} is outside "
-                f"[0, distributed.num_processes={dist.num_processes})"
-            )
-
-
-def validate_for_devices(cfg: Config, num_devices: int) -> None:
-    """Checks that depend on how many devices the run has."""
-    if cfg.data.global_batch_size % num_devices:
-        raise ConfigError(
-            f"data.global_batch_size={cfg.data.global_batch_size} is not divisible by the "
-            f"{num_devices} devices of this run; use a multiple of {num_devices}"
-        )
-    from moetext.sharding import mesh, rules
-
-    mesh.axis_sizes(rules.resolve(cfg.sharding), num_devices)  # mesh product == device count
 
 
 # --- YAML tree -------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """Typed, frozen configuration: one dataclass per component, one field docstring each.
 
 A run's YAML decodes into `Config`; each component receives only its own slice
-(`MoEBlock(cfg.moe, ...)`), never the whole tree.
+(`MoEBlock(cfg.moe, ...)`), never the whole tree. Each section checks its own values when it is
+built (`__post_init__`, a ConfigError naming the field); checks that span sections live in
+`moetext.config.validate`.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
+
+from moetext.errors import ConfigError
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -54,6 +58,28 @@ class ModelConfig:
     init_std: float = 0.02
     """Standard deviation of the normal initialiser for weight matrices and embeddings."""
 
+    def __post_init__(self) -> None:
+        _positive(
+            "model",
+            vocab_size=self.vocab_size,
+            emb_dim=self.emb_dim,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            decoder_sparse_step=self.decoder_sparse_step,
+        )
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"model.num_heads={self.num_heads} is not divisible by model.num_kv_heads="
+                f"{self.num_kv_heads}: grouped-query attention needs whole groups"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"model.head_dim={self.head_dim} must be even for RoPE")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ConfigError(f"model.mlp_only_layers {bad} out of range [0, {self.num_layers})")
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -77,6 +103,21 @@ class MoEConfig:
     """dropless: sort-based grouped matmul; capacity: fixed per-expert buffers (drop overflow)."""
     capacity_factor: float = 1.25
     """Capacity dispatch only: slots per expert = ceil(capacity_factor * T * K / E)."""
+
+    def __post_init__(self) -> None:
+        _positive(
+            "moe",
+            num_experts=self.num_experts,
+            num_experts_per_tok=self.num_experts_per_tok,
+            moe_intermediate_size=self.moe_intermediate_size,
+        )
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(
+                f"moe.num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                f"moe.num_experts={self.num_experts}: a token cannot pick more experts than exist"
+            )
+        if self.capacity_factor <= 0:
+            raise ConfigError(f"moe.capacity_factor must be positive, got {self.capacity_factor}")
 
 
 @dataclass(frozen=True)
@@ -136,6 +177,16 @@ class DataConfig:
     eval_batches: int = 2
     """Held-out batches per evaluation (the same batches every time)."""
 
+    def __post_init__(self) -> None:
+        _positive("data", seq_len=self.seq_len, global_batch_size=self.global_batch_size)
+        if self.kind == "tfds" and not self.name:
+            raise ConfigError(
+                "data.kind='tfds' needs data.name: the dataset prepared with "
+                "`python -m moetext.data.prepare --name NAME`, or python_docs (the embedded corpus)"
+            )
+        if self.prefetch < 1:
+            raise ConfigError(f"data.prefetch must be >= 1, got {self.prefetch}")
+
 
 @dataclass(frozen=True)
 class OptimConfig:
@@ -186,6 +237,27 @@ class TrainConfig:
     profile_processes: tuple[int, ...] = (0,)
     """Process indices that write the profiler trace (each host writes its own)."""
 
+    def __post_init__(self) -> None:
+        _positive("train", log_every=self.log_every)
+        if self.steps < 0:
+            raise ConfigError(f"train.steps must be >= 0, got {self.steps}")
+        if self.skip_nonfinite_steps < 0:
+            raise ConfigError(
+                f"train.skip_nonfinite_steps must be >= 0, got {self.skip_nonfinite_steps}"
+            )
+        if self.profile_steps is not None:
+            start, stop = self.profile_steps
+            if not 1 <= start < stop:
+                raise ConfigError(
+                    f"train.profile_steps={[start, stop]} must be [start, stop] with "
+                    f"1 <= start < stop (steps as the log numbers them, stop exclusive)"
+                )
+        if any(i < 0 for i in self.profile_processes):
+            raise ConfigError(
+                f"train.profile_processes={list(self.profile_processes)} must hold process "
+                f"indices >= 0"
+            )
+
 
 @dataclass(frozen=True)
 class CheckpointConfig:
@@ -199,6 +271,11 @@ class CheckpointConfig:
     """Write checkpoints in the background while training continues."""
     resume: bool = True
     """Resume from the newest complete checkpoint in run_dir when one exists."""
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint", every=self.every)
+        if self.keep < 1:
+            raise ConfigError(f"checkpoint.keep must be >= 1, got {self.keep}")
 
 
 @dataclass(frozen=True)
@@ -224,6 +301,15 @@ class DistributedConfig:
     initialization_timeout_s: int = 300
     """Seconds to wait for every process to reach the coordinator."""
 
+    def __post_init__(self) -> None:
+        n, i = self.num_processes, self.process_id
+        if n is not None and n < 1:
+            raise ConfigError(f"distributed.num_processes must be >= 1, got {n}")
+        if n is not None and i is not None and not 0 <= i < n:
+            raise ConfigError(
+                f"distributed.process_id={i} is outside [0, distributed.num_processes={n})"
+            )
+
 
 @dataclass(frozen=True)
 class Config:
@@ -248,3 +334,9 @@ class Config:
 
     def replace(self, **sections) -> Config:
         return dataclasses.replace(self, **sections)
+
+
+def _positive(section: str, **values: int) -> None:
+    for name, value in values.items():
+        if value <= 0:
+            raise ConfigError(f"{section}.{name} must be positive, got {value}")

@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from moetext.config import ConfigError, DataConfig
+from moetext.config import DataConfig
 from moetext.data.batch import Batch
 from moetext.data.synthetic import SyntheticData
+from moetext.errors import ConfigError
 
 
 class TrainData:

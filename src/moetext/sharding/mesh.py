@@ -16,44 +16,12 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from moetext.config.loader import ConfigError
+from moetext.config.presets import Preset, axis_sizes
 from moetext.config.schema import DistributedConfig
-from moetext.sharding.rules import Preset
+from moetext.errors import ConfigError
 
 # Set by launchers that start one process per host; any of them means "multi-process".
 _LAUNCHER_ENV = ("JAX_COORDINATOR_ADDRESS", "MEGASCALE_COORDINATOR_ADDRESS")
-
-
-def axis_sizes(preset: Preset, num_devices: int) -> tuple[dict[str, int], dict[str, int]]:
-    """(ici, dcn) sizes per axis with the -1 filled; ConfigError when they cannot cover
-    `num_devices` exactly."""
-    dcn = dict(preset.dcn_mesh)
-    slices = math.prod(dcn.values())
-    ici = dict(preset.mesh)
-    desc = lambda sizes: " x ".join(f"{a}={sizes[a]}" for a in preset.mesh_axes)
-    if num_devices % slices:
-        raise ConfigError(
-            f"sharding.dcn_mesh {desc(dcn)} asks for {slices} slices, which does not divide "
-            f"the {num_devices} devices of this run"
-        )
-    per_slice = num_devices // slices
-    fill = [a for a, s in ici.items() if s == -1]
-    fixed = math.prod(s for s in ici.values() if s != -1)
-    if fill:
-        if per_slice % fixed:
-            raise ConfigError(
-                f"sharding.mesh {desc(ici)}: the fixed axes take {fixed} devices per slice, "
-                f"which does not divide the {per_slice} devices per slice ({num_devices} devices "
-                f"/ {slices} slices), so {fill[0]}=-1 cannot fill the rest"
-            )
-        ici[fill[0]] = per_slice // fixed
-    if math.prod(ici.values()) != per_slice:
-        raise ConfigError(
-            f"sharding.mesh {desc(ici)} (preset {preset.name!r}) covers "
-            f"{math.prod(ici.values())} devices per slice x {slices} slice(s), but this run has "
-            f"{num_devices} devices; make the product {per_slice} or set one axis to -1"
-        )
-    return ici, dcn
 
 
 def make_mesh(preset: Preset, devices: Sequence[jax.Device] | None = None) -> Mesh:

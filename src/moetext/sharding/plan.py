@@ -25,8 +25,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from moetext.config.loader import ConfigError
 from moetext.config.schema import ShardingConfig
+from moetext.errors import ConfigError
 from moetext.sharding import logical
 from moetext.sharding.mesh import make_mesh
 from moetext.sharding.rules import Preset, check_covered, resolve

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 from etils import epath
 
-from moetext.config import ConfigError
+from moetext.errors import ConfigError
 
 
 class RunDirError(ConfigError):

@@ -1,0 +1,42 @@
+"""Checks that span config sections (each section checks its own fields in `__post_init__`).
+
+`validate(cfg)` runs on every load; `validate_for_devices(cfg, n)` once the device count is
+known. Every failure is a ConfigError naming the fields and their values.
+"""
+
+from __future__ import annotations
+
+from moetext.config import presets
+from moetext.config.schema import Config
+from moetext.errors import ConfigError
+
+
+def validate(cfg: Config) -> None:
+    """Cross-section checks that need no devices."""
+    k, moe = cfg.kernels, cfg.moe
+    if k.quantization != "none" and moe.dispatch != "dropless":
+        raise ConfigError(
+            f"kernels.quantization={k.quantization!r} needs moe.dispatch='dropless' (the grouped "
+            f"matmuls it quantizes); moe.dispatch={moe.dispatch!r} runs plain einsums"
+        )
+    if k.qag and k.quantization != "fp8_blockwise":
+        raise ConfigError(
+            f"kernels.qag=true all-gathers FP8 expert weights, so it needs "
+            f"kernels.quantization='fp8_blockwise', got {k.quantization!r}"
+        )
+    if cfg.data.eval_batches < 1 and cfg.train.eval_every:
+        raise ConfigError(
+            f"train.eval_every={cfg.train.eval_every} needs data.eval_batches >= 1, "
+            f"got {cfg.data.eval_batches}"
+        )
+    presets.resolve(cfg.sharding)  # preset exists, axes known, sizes valid, at most one -1
+
+
+def validate_for_devices(cfg: Config, num_devices: int) -> None:
+    """Checks that depend on how many devices the run has."""
+    if cfg.data.global_batch_size % num_devices:
+        raise ConfigError(
+            f"data.global_batch_size={cfg.data.global_batch_size} is not divisible by the "
+            f"{num_devices} devices of this run; use a multiple of {num_devices}"
+        )
+    presets.axis_sizes(presets.resolve(cfg.sharding), num_devices)  # product == devices
