@@ -138,12 +138,12 @@ def memory(a) -> None:
     if a.target == "cpu":
         sharding, base = None, get_backend(a.backend)
     else:
-        from jax.experimental import topologies
         from jax.sharding import SingleDeviceSharding
 
+        from moetext.aot import tpu_devices
         from moetext.kernels.gmm.pallas_tpu import PallasTpuBackend
 
-        dev = topologies.get_topology_desc(topology_name=a.target, platform="tpu").devices[0]
+        dev = tpu_devices(a.target)[0]
         sharding, base = SingleDeviceSharding(dev), PallasTpuBackend.for_device(dev)
     args = make_args(a.tokens, a.topk, a.d, a.f, a.experts, a.fused, sharding)
     print(

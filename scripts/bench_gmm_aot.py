@@ -16,20 +16,17 @@ so compare memory footprints directly and read the cost columns with that in min
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
 
 import moetext  # noqa: F401  (CPU platform defaults; jax reads them at first use, not import)
+from moetext.aot import TOPOLOGY_BY_CHIP, tpu_devices
 from moetext.kernels.gmm import get_backend
 from moetext.kernels.gmm.pallas_tpu import PallasTpuBackend
 
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # AOT only describes a topology
-TOPOLOGIES = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v5p": "v5p:2x2x1", "tpu7x": "tpu7x:2x2x1"}
 DEFAULTS = dict(chips=("v5p", "tpu7x"), rows=8192 * 8, d_model=2048, d_ff=768, experts=128)
 
 
@@ -39,7 +36,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     Defaults: Qwen3-30B-A3B experts, 8192 tokens routed to top-8 on v5p and tpu7x.
     """
     parser.add_argument(
-        "--chips", nargs="+", default=list(DEFAULTS["chips"]), choices=sorted(TOPOLOGIES)
+        "--chips", nargs="+", default=list(DEFAULTS["chips"]), choices=sorted(TOPOLOGY_BY_CHIP)
     )
     parser.add_argument("--rows", type=int, default=DEFAULTS["rows"], help="M: tokens * top-k")
     parser.add_argument("--d-model", type=int, default=DEFAULTS["d_model"], help="D")
@@ -113,9 +110,7 @@ def run_tpu_aot(args: argparse.Namespace | None = None) -> list[str]:
     print(*lines, sep="\n", flush=True)
     ideal = 2.0 * m * d * f  # each row meets exactly one expert's D x F weights
     for chip in opts["chips"]:
-        device = topologies.get_topology_desc(
-            topology_name=TOPOLOGIES[chip], platform="tpu"
-        ).devices[0]
+        device = tpu_devices(TOPOLOGY_BY_CHIP[chip])[0]
         backends = {
             "pallas_tpu": PallasTpuBackend(interpret=False, chip=chip),
             "ragged_dot": get_backend("ragged_dot"),

@@ -1,7 +1,9 @@
-"""Run Python in a fresh interpreter with N fake CPU devices and read back its JSON result.
+"""Run a worker module in a fresh interpreter with N fake CPU devices; read back its JSON result.
 
-jax fixes the device count when it initialises, so multi-device checks run in a subprocess
-that prints one line `RESULT <json>`.
+jax fixes the device count when it initialises, so multi-device checks run in a subprocess:
+`python -m tests.<package>.<module> [args]` from the repository root (tests/ is a namespace
+package there), which prints one line `RESULT <json>`. Workers are ordinary modules beside
+their tests, linted and type-checked like the rest.
 """
 
 import json
@@ -9,21 +11,29 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_result(argv: list[str], *, timeout_s: float, devices: int = 8) -> dict:
-    """Runs `python <argv>` on `devices` fake CPU devices; returns its RESULT json."""
+def worker_env(devices: int) -> dict[str, str]:
+    """This environment on `devices` fake CPU devices, outside any distributed run."""
     env = dict(
         os.environ,
         XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(REPO / "src"),
     )
+    for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        env.pop(key, None)
+    return env
+
+
+def run_worker(module: str, *args: str, timeout_s: float, devices: int = 8) -> dict[str, Any]:
+    """Runs `python -m module args` on `devices` fake CPU devices; returns its RESULT json."""
     out = subprocess.run(
-        [sys.executable, *argv],
-        env=env,
+        [sys.executable, "-m", module, *args],
+        env=worker_env(devices),
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -31,4 +41,5 @@ def run_result(argv: list[str], *, timeout_s: float, devices: int = 8) -> dict:
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-6000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    result: dict[str, Any] = json.loads(line[len("RESULT ") :])
+    return result

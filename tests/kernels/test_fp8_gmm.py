@@ -5,13 +5,6 @@ tiles. Shapes are small (interpret mode is slow) but K and M are multiples of 12
 block structure matters. Runtime: ~40 s on 2 CPU cores; the tpu_aot tests add ~20 s.
 """
 
-import os
-
-# AOT tests only describe a topology, never open a TPU: don't contend for libtpu's process lock
-# with other test processes (read when libtpu first initialises, so set before any test runs).
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -163,12 +156,12 @@ TOPOLOGIES = ["v5p:2x2x1", "v6e:2x2", "tpu7x:2x2x1"]
 @pytest.mark.tpu_aot
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_fp8_kernels_compile_for_tpu(topology):
-    from jax.experimental import topologies
     from jax.sharding import SingleDeviceSharding
 
+    from moetext.aot import tpu_devices
     from moetext.kernels.gmm import tiling as tiling_lib
 
-    dev = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices[0]
+    dev = tpu_devices(topology)[0]
     chip = tiling_lib.chip_from_device_kind(dev.device_kind)
     sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=SingleDeviceSharding(dev))
     f8, f32 = jnp.float8_e4m3fn, jnp.float32

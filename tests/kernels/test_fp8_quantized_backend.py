@@ -5,13 +5,6 @@ Oracles: quantize with reference.quantize_reference (bit-exact with the implemen
 test_fp8_quantize), multiply dequantized operands in float64. Runtime: ~50 s on 2 cores.
 """
 
-import os
-
-# AOT tests only describe a topology, never open a TPU: don't contend for libtpu's process lock
-# with other test processes (read when libtpu first initialises, so set before any test runs).
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -235,12 +228,12 @@ def test_tgmm_gradient_runs_on_dequantized_residuals():
 @pytest.mark.tpu_aot
 @pytest.mark.parametrize("topology", ["v5p:2x2x1", "v6e:2x2", "tpu7x:2x2x1"])
 def test_fp8_training_gradient_compiles_for_tpu(topology):
-    from jax.experimental import topologies
     from jax.sharding import SingleDeviceSharding
 
+    from moetext.aot import tpu_devices
     from moetext.kernels.gmm.pallas_tpu import PallasTpuBackend
 
-    dev = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices[0]
+    dev = tpu_devices(topology)[0]
     qb = QuantizedGmm(PallasTpuBackend.for_device(dev))
     sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=SingleDeviceSharding(dev))
     m, k, n, g = 1024, 512, 256, 4

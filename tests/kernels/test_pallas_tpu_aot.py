@@ -8,30 +8,24 @@ the default tiling for one TPU generation and one model's expert shapes.
 """
 
 import functools
-import os
-
-# libtpu guards against two processes using it with a lockfile; an AOT compile only describes
-# a topology, so parallel test workers (and other jobs on the host) may share it.
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
 
+from moetext.aot import TOPOLOGY_BY_CHIP, tpu_devices
 from moetext.kernels.gmm.pallas_tpu import PallasTpuBackend
 
 pytestmark = pytest.mark.tpu_aot
 
-TOPOLOGIES = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v5p": "v5p:2x2x1", "tpu7x": "tpu7x:2x2x1"}
 M = 8192 * 8  # 8192 tokens routed to top-8 experts
 MODELS = {"qwen3-30b-a3b": (2048, 768, 128), "qwen3-235b-a22b": (4096, 1536, 128)}  # D, F, E
 
 
 @functools.cache
 def _device(chip: str):
-    return topologies.get_topology_desc(topology_name=TOPOLOGIES[chip], platform="tpu").devices[0]
+    return tpu_devices(TOPOLOGY_BY_CHIP[chip])[0]
 
 
 def _calls(backend: PallasTpuBackend, d: int, f: int, e: int):
@@ -51,7 +45,7 @@ def _calls(backend: PallasTpuBackend, d: int, f: int, e: int):
 
 @pytest.mark.parametrize("call", ["fwd", "dlhs", "drhs"])
 @pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("chip", list(TOPOLOGIES))
+@pytest.mark.parametrize("chip", list(TOPOLOGY_BY_CHIP))
 def test_compiles_for_tpu(chip, model, call):
     device = _device(chip)
     backend = PallasTpuBackend(interpret=False, chip=chip)
@@ -67,7 +61,7 @@ def test_compiles_for_tpu(chip, model, call):
     assert out.shape == want and out.dtype == jnp.bfloat16
 
 
-@pytest.mark.parametrize("chip", list(TOPOLOGIES))
+@pytest.mark.parametrize("chip", list(TOPOLOGY_BY_CHIP))
 def test_for_device_targets_the_topology(chip):
     assert PallasTpuBackend.for_device(_device(chip)) == PallasTpuBackend(
         interpret=False, chip=chip

@@ -2,7 +2,7 @@
 equal the single-shard block.
 
 The checks need 8 devices, fixed when jax initialises, so they run in a fresh interpreter
-(WORKER below, XLA_FLAGS=--xla_force_host_platform_device_count=8) that prints one JSON line.
+(ep_worker.py, XLA_FLAGS=--xla_force_host_platform_device_count=8) that prints one JSON line.
 The TPU exchange (ragged_all_to_all) has no XLA:CPU lowering: its offset arithmetic is checked
 on CPU against an emulation of the collective built from all_gather, and the real collective
 is compiled ahead of time for a v5p topology (tpu_aot).
@@ -11,185 +11,18 @@ Budget: ~2 min on 2 cores (one subprocess: 7 block settings + 4 train-loss compi
 5 min with a TPU AOT compile sharing the cores), plus ~20 s for the AOT compile.
 """
 
-import os
 import re
 
 import pytest
 
-from fake_devices import run_result
+from fake_devices import run_worker
 
 TIMEOUT_S = 600
-
-WORKER = r"""
-import json, os, re
-import moetext  # noqa: F401  (platform defaults before jax)
-import jax, jax.numpy as jnp, numpy as np
-from flax import nnx
-from jax.sharding import Mesh
-from moetext import config
-from moetext.config.schema import KernelsConfig, MoEConfig
-from moetext.models.moe import MoEBlock, ep
-from moetext.sharding import logical
-from moetext.sharding.rules import load_preset
-from moetext.train import loop
-from moetext.train.step import make_loss_fn
-
-AXES = ("data", "fsdp", "expert", "tensor")
-RULES = load_preset("fsdp_ep").rules
-cfg = MoEConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
-                aux_loss_weight=0.01, z_loss_weight=0.001)
-block = MoEBlock(cfg, KernelsConfig(), emb_dim=32, init_std=0.3, param_dtype=jnp.float32,
-                 dtype=jnp.float32, rngs=nnx.Rngs(params=0))
-gd, params = nnx.split(block)
-x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 4, 32)).astype(np.float32))
-
-def loss(params, x):
-    y, aux = nnx.merge(gd, params)(x)
-    return jnp.sum(jnp.sin(y)) + aux["moe_loss"], (y, aux)
-
-def run_block(gd=gd):
-    # A fresh function per call: jit does not key its cache on the logical rules.
-    def loss(params, x):
-        y, aux = nnx.merge(gd, params)(x)
-        return jnp.sum(jnp.sin(y)) + aux["moe_loss"], (y, aux)
-
-    f = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
-    lowered = jax.jit(lambda p, x: f(p, x)).lower(params, x)
-    out = lowered.compile()(params, x)
-    (val, (y, aux)), (g_params, g_x) = out
-    named = {"loss": val, "y": y, "grad_x": g_x, **aux}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(g_params)):
-        named["grad_" + ".".join(str(k.key) for k in path)] = leaf
-    return {k: np.asarray(v, np.float64) for k, v in named.items()}, lowered.as_text()
-
-def max_rel(got, ref):
-    return {k: float(np.max(np.abs(got[k] - ref[k])) / max(np.max(np.abs(ref[k])), 1e-30))
-            for k in ref}
-
-def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
-                               recv_sizes, *, axis_name):
-    # Receiver's view of ragged_all_to_all, from all_gathered operands and offsets: source i
-    # writes its rows [input_offsets[me], +send_sizes[me]) at output_offsets[me] of shard me.
-    CALLS.append(axis_name)
-    me = jax.lax.axis_index(axis_name)
-    ops = jax.lax.all_gather(operand, axis_name)
-    starts, sizes, dsts = (jax.lax.all_gather(a, axis_name)[:, me]
-                           for a in (input_offsets, send_sizes, output_offsets))
-    slot = jnp.arange(operand.shape[0])
-    src = jnp.minimum(starts[:, None] + slot, operand.shape[0] - 1)
-    rows = jnp.take_along_axis(ops, src[..., None], axis=1)
-    dst = jnp.where(slot < sizes[:, None], dsts[:, None] + slot, output.shape[0])
-    return output.at[dst.reshape(-1)].set(rows.reshape(-1, rows.shape[-1]), mode="drop")
-
-res = {"block": {}, "train": {}}
-ref, _ = run_block()
-res["block"]["ref_moe_loss"] = float(ref["moe_loss"])
-settings = {"ep2": (2, 2, 2, 1), "ep4": (2, 1, 4, 1), "ep8": (1, 1, 8, 1)}
-for name, shape in settings.items():
-    with logical.use_rules(Mesh(np.array(jax.devices()).reshape(shape), AXES), RULES):
-        got, text = run_block()
-    res["block"][name] = {"rel": max_rel(got, ref), "all_to_all": "all_to_all" in text,
-                          "dropped": float(got["dropped_fraction"])}
-
-# No expert parallelism (P = 1), tokens sharded: per-shard sort against the gathered weights.
-for name, preset, shape in (("fsdp4", "fsdp", (1, 4, 1, 1)), ("data2", "fsdp", (2, 1, 1, 1)),
-                            ("fsdp_ep_exp1", "fsdp_ep", (2, 2, 1, 1))):
-    mesh = Mesh(np.array(jax.devices()[:4 if shape[1] > 1 else 2]).reshape(shape), AXES)
-    rules = load_preset(preset).rules
-    with logical.use_rules(mesh, rules):
-        layout = ep.layout_from_context(cfg.num_experts)
-        got, text = run_block()
-    res["block"][name] = {"rel": max_rel(got, ref), "all_to_all": "all_to_all" in text,
-                          "shards": layout.num_shards, "token_axes": list(layout.token_axes),
-                          "manual": "sdy.manual_computation" in text or "shard_map" in text}
-# QAG: FP8 expert weights all-gathered as FP8 (fsdp=2 on D=32 leaves 16 columns per shard, half
-# of a 32-block) vs gathered in the compute dtype and quantized after; same params.
-def fp8_gd(qag):
-    k = KernelsConfig(quantization="fp8_blockwise", fp8_block_size=32, fp8_weight_block="1x32",
-                      qag=qag)
-    return nnx.split(MoEBlock(cfg, k, emb_dim=32, init_std=0.3, param_dtype=jnp.float32,
-                              dtype=jnp.float32, rngs=nnx.Rngs(params=0)))[0]
-for name, preset, shape in (("qag_fsdp4", "fsdp", (1, 4, 1, 1)),
-                            ("qag_ep2", "fsdp_ep", (2, 2, 2, 1))):
-    n = int(np.prod(shape))
-    with logical.use_rules(Mesh(np.array(jax.devices()[:n]).reshape(shape), AXES),
-                           load_preset(preset).rules):
-        plain, _ = run_block(fp8_gd(False))
-        qag, text = run_block(fp8_gd(True))
-    gathers = sorted(set(re.findall(r"stablehlo\.all_gather.*?->\s*tensor<[0-9x]*x(\w+)>", text)))
-    res["block"][name] = {"rel": max_rel(qag, plain), "fp8_vs_f32": max_rel(plain, ref),
-                          "gathers": gathers}
-# Gate and up fused into one gmm (kernels.fuse_gate_up): on one device, and under fsdp_tp where
-# the F axis is split over `tensor` (the fused output's columns come per slice).
-gd_fused = nnx.split(MoEBlock(cfg, KernelsConfig(fuse_gate_up=True), emb_dim=32, init_std=0.3,
-                              param_dtype=jnp.float32, dtype=jnp.float32,
-                              rngs=nnx.Rngs(params=0)))[0]
-res["block"]["fused_single"] = {"rel": max_rel(run_block(gd_fused)[0], ref)}
-with logical.use_rules(Mesh(np.array(jax.devices()[:4]).reshape(1, 2, 1, 2), AXES),
-                       load_preset("fsdp_tp").rules):
-    res["block"]["fused_tp"] = {"rel": max_rel(run_block(gd_fused)[0], ref)}
-# A rules context on one device keeps the plain single-shard path.
-with logical.use_rules(Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1), AXES),
-                       load_preset("fsdp").rules):
-    res["block"]["one_device_layout"] = repr(ep.layout_from_context(cfg.num_experts))
-
-CALLS = []
-ep.ragged_all_to_all = emulated_ragged_all_to_all
-exchange_for, ep.exchange_for = ep.exchange_for, lambda mesh: "ragged"
-# Experts split over two mesh axes at once (exp -> [expert, fsdp], P = 4, data = 2 beside).
-TWO_AXES = [("exp", ("expert", "fsdp")) if r[0] == "exp" else r for r in RULES]
-with logical.use_rules(Mesh(np.array(jax.devices()).reshape(2, 2, 2, 1), AXES), TWO_AXES):
-    got, _ = run_block()
-res["block"]["ep4_ragged"] = {"rel": max_rel(got, ref), "calls": len(CALLS)}
-ep.exchange_for = exchange_for
-
-try:
-    with logical.use_rules(Mesh(np.array(jax.devices()[:6]).reshape(1, 2, 3, 1), AXES), RULES):
-        jax.eval_shape(lambda p, x: loss(p, x), params, x)
-    res["indivisible"] = None
-except ValueError as e:
-    res["indivisible"] = str(e)
-
-from moetext import data as data_lib
-
-TINY = "configs/models/tiny-qwen3-moe.yml"
-BASE = ["checkpoint.enabled=false", "train.progress_bar=false", "data.seq_len=16"]
-train = {"single": ["sharding.preset=fsdp", "sharding.mesh.fsdp=1"],
-         "fsdp8": ["sharding.preset=fsdp"],
-         "ep2": ["sharding.preset=fsdp_ep", "sharding.mesh.expert=2"],
-         "ep4": ["sharding.preset=fsdp_ep", "sharding.mesh.expert=4"],
-         # FP8 with and without QAG (the config switch end to end; fsdp=8 splits D=64 into
-         # 8-column shards of 32-wide blocks).
-         "fp8": ["sharding.preset=fsdp", "kernels.quantization=fp8_blockwise",
-                 "kernels.fp8_block_size=32", "kernels.fp8_weight_block=1x32"],
-         "fp8_qag": ["sharding.preset=fsdp", "kernels.quantization=fp8_blockwise",
-                     "kernels.fp8_block_size=32", "kernels.fp8_weight_block=1x32",
-                     "kernels.qag=true"]}
-params0 = None
-for name, over in train.items():
-    c = config.load(TINY, BASE + over)
-    single = name == "single"
-    # The EP runs reuse the one-device params (resharded) instead of compiling their own init.
-    b = loop.build(c, jax.devices()[:1] if single else jax.devices(), abstract=not single)
-    if single:
-        params0, rest0 = b.state.params, b.rest
-    p = jax.device_put(params0, b.state_shardings.params)
-    data = data_lib.build(c.data, c.model.vocab_size)
-    batch = loop.put_batch(data.next_batch(), b.batch_sharding)
-    data.close()
-    fn = jax.jit(lambda p, t: make_loss_fn(b.graphdef, rest0)(p, t)[0])
-    lowered = loop.lower_checked(b, fn, p, batch)
-    res["train"][name] = {"loss": float(lowered.compile()(p, batch)),
-                          "mesh": dict(b.mesh.shape), "all_to_all": "all_to_all" in
-                          lowered.as_text(), "manual": "sdy.manual_computation" in
-                          lowered.as_text() or "shard_map" in lowered.as_text()}
-print("RESULT " + json.dumps(res))
-"""
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_result(["-c", WORKER], timeout_s=TIMEOUT_S)
+    return run_worker("tests.models.ep_worker", timeout_s=TIMEOUT_S)
 
 
 # f32 compute. EP moves rows between shards and reorders them inside each group, and the weight
@@ -263,20 +96,19 @@ def test_fsdp_ep_train_loss_matches_single_device(results, name):
 def test_ragged_exchange_compiles_for_tpu():
     # Forward + backward of the EP block (bf16, pallas_tpu gmm) for a v5p:2x2x1 topology
     # (4 chips: fsdp=2 x expert=2, so the weight all-gather runs too); libtpu, no TPU needed.
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     import jax
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
-    from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+    from moetext.aot import tpu_devices
     from moetext.config.schema import KernelsConfig, MoEConfig
     from moetext.models.moe import MoEBlock, ep
     from moetext.sharding import logical
     from moetext.sharding.rules import load_preset
 
-    devices = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices
+    devices = tpu_devices("v5p:2x2x1")
     mesh = Mesh(np.array(devices).reshape(1, 2, 2, 1), ("data", "fsdp", "expert", "tensor"))
     rules = load_preset("fsdp_ep").rules
     cfg = MoEConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256)

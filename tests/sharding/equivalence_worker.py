@@ -1,4 +1,6 @@
-"""Run in a fresh interpreter with 8 fake CPU devices (see test_equivalence.py).
+"""The 8-device run of test_equivalence.py: `python -m tests.sharding.equivalence_worker`.
+
+Runs in a fresh interpreter with 8 fake CPU devices (started by tests/fake_devices.py).
 
 Builds the tiny config on one device and under each sharding setting, and prints one JSON line:
 per setting the loss and gradient errors against the one-device run, the losses of three real
@@ -8,20 +10,19 @@ train steps, and the PartitionSpecs of a few parameters.
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
+from typing import Any
 
-import moetext  # noqa: F401  (platform defaults before jax)
+import moetext  # noqa: F401  (platform defaults: jax reads JAX_PLATFORMS when imported)
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+# isort: split
+import jax
+import numpy as np
 
-from moetext import config  # noqa: E402
-from moetext import data as data_lib  # noqa: E402
-from moetext.train import loop  # noqa: E402
-from moetext.train.step import make_loss_fn, make_train_step  # noqa: E402
+from moetext import config
+from moetext import data as data_lib
+from moetext.train import loop
+from moetext.train.step import make_loss_fn, make_train_step
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs/models/tiny-qwen3-moe.yml"
@@ -53,7 +54,7 @@ SPEC_PATHS = {
 }
 
 
-def run_setting(name: str, overrides: list[str]) -> dict:
+def run_setting(name: str, overrides: list[str]) -> dict[str, Any]:
     cfg = config.load(TINY, [*BASE, *overrides])
     devices = jax.devices()[:1] if name == "single" else jax.devices()
     b = loop.build(cfg, devices)
@@ -63,7 +64,7 @@ def run_setting(name: str, overrides: list[str]) -> dict:
     grad_fn = jax.value_and_grad(make_loss_fn(b.graphdef, b.rest), has_aux=True)
     train_step = make_train_step(b.graphdef, b.rest, b.tx, b.lr_schedule)
 
-    def step_and_grads(state, batch):
+    def step_and_grads(state: Any, batch: Any) -> tuple[Any, Any, Any, Any]:
         # One compile per setting: the real train step, plus the gradients it takes (XLA
         # shares the forward/backward between the two outputs).
         (loss, _), grads = grad_fn(state.params, batch)
@@ -103,7 +104,7 @@ def run_setting(name: str, overrides: list[str]) -> dict:
     }
 
 
-def max_rel(a, b) -> float:
+def max_rel(a: Any, b: Any) -> float:
     """max over leaves of max|a - b| / max|b| (norm-wise relative error per tensor)."""
     errs = jax.tree.map(
         lambda x, y: float(np.max(np.abs(x - y)) / (np.max(np.abs(y)) + 1e-30)), a, b
@@ -129,4 +130,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -1,25 +1,35 @@
-"""Run in a fresh single process (see test_multihost.py): restores the newest checkpoint of two
-run directories onto this process's devices and prints the largest parameter difference."""
+"""The single-process restore of test_multihost.py: `python -m tests.sharding.restore_worker A B`.
+
+Restores the newest checkpoint of run directories A and B onto this process's devices and prints
+`RESULT <json>`: both steps, the largest parameter difference, the largest parameter of B, and
+the device count.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import moetext  # noqa: F401  (platform defaults: jax reads JAX_PLATFORMS when imported)
 
-import moetext  # noqa: F401  (platform defaults before jax)
-from moetext import config  # noqa: E402
-from moetext.checkpoint import Checkpointer, abstract_like  # noqa: E402
-from moetext.train import loop  # noqa: E402
+# isort: split
+import jax
+import numpy as np
+
+from moetext import config
+from moetext.checkpoint import Checkpointer, abstract_like
+from moetext.train import loop
 
 
-def restore(run_dir: str):
+def restore(run_dir: str) -> tuple[int, Any]:
+    """(step, params as NumPy arrays) of the newest checkpoint in run_dir."""
     cfg = config.load(f"{run_dir}/config.yml", [f"train.run_dir={run_dir}"])
     b = loop.build(cfg)
     ckpt = Checkpointer(cfg.checkpoint, run_dir)
     step = ckpt.latest_step()
+    if step is None:
+        raise SystemExit(f"no checkpoint in {run_dir}")
     state, _, _ = ckpt.restore(step, abstract_like(b.state))
     ckpt.close()
     return step, jax.tree.map(np.asarray, jax.device_get(state.params))
@@ -30,18 +40,13 @@ def main(run_a: str, run_b: str) -> None:
     step_b, b = restore(run_b)
     diff = max(jax.tree.leaves(jax.tree.map(lambda x, y: float(np.max(np.abs(x - y))), a, b)))
     scale = max(jax.tree.leaves(jax.tree.map(lambda y: float(np.max(np.abs(y))), b)))
-    print(
-        "RESULT "
-        + json.dumps(
-            {
-                "steps": [step_a, step_b],
-                "max_abs_diff": diff,
-                "max_abs": scale,
-                "devices": jax.device_count(),
-            }
-        ),
-        flush=True,
-    )
+    result = {
+        "steps": [step_a, step_b],
+        "max_abs_diff": diff,
+        "max_abs": scale,
+        "devices": jax.device_count(),
+    }
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

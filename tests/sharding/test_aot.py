@@ -1,25 +1,21 @@
-"""scripts/aot_compile.py: the real train step compiles for a TPU topology (libtpu, no TPU).
+"""moetext.aot: the real train step compiles for a TPU topology (libtpu, no TPU) and reports
+its memory, FLOPs and collectives; libtpu's devices and its errors; scripts/aot_compile.py.
 
-One compile of a 2-layer Qwen3-30B-A3B-shaped model (full widths, 128 experts) on v5p:2x2x1.
+One compile of a 2-layer Qwen3-30B-A3B-shaped model (full widths, 128 experts) on v5p:2x2x1, and
+one of the tiny config through the command line.
 """
 
-import importlib.util
 import json
-import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from jax.experimental import topologies
+
+from moetext import aot, config
 
 REPO = Path(__file__).resolve().parents[2]
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-
-
-@pytest.fixture(scope="module")
-def aot():
-    spec = importlib.util.spec_from_file_location("aot_compile", REPO / "scripts/aot_compile.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 HLO = """\
@@ -42,7 +38,7 @@ backend_config={"known_trip_count":{"n":"48"}}
 """
 
 
-def test_collective_parser_counts_scan_bodies_per_trip(aot):
+def test_collective_parser_counts_scan_bodies_per_trip():
     got = aot.collectives(HLO)
     assert got[("all-gather", "bf16")] == {"count": 48, "bytes": 48 * 32 * 16 * 2}
     assert got[("all-reduce", "f32")] == {"count": 48, "bytes": 48 * 4 * 4}
@@ -56,29 +52,48 @@ def test_collective_parser_counts_scan_bodies_per_trip(aot):
     assert shapes[("all-gather", "bf16[32,16]")]["count"] == 48
 
 
-def test_unknown_generation_is_an_error(aot):
-    with pytest.raises(SystemExit, match="unknown TPU generation 'v9z'"):
+def test_unknown_generation_is_a_topology_error():
+    with pytest.raises(aot.TopologyError, match="unknown TPU generation 'v9z'"):
         aot.hbm_bytes("v9z:2x2")
 
 
-def test_qwen3_30b_shape_compiles_for_v5p_and_reports(aot, tmp_path, monkeypatch):
-    out = tmp_path / "aot.json"
-    # A chip with 1 MiB of HBM: the step cannot fit, so main() must exit non-zero.
-    monkeypatch.setitem(aot.HBM_GIB, "v5p", 1 / 1024)
-    rc = aot.main(
+def test_tpu_devices_describe_the_topology_chips():
+    devices = aot.tpu_devices("v5p:2x2x1")
+    assert len(devices) == 4 and {d.platform for d in devices} == {"tpu"}
+    assert all(d.device_kind.startswith("TPU v5") for d in devices), devices
+
+
+def test_invalid_topology_names_it_and_the_expected_form():
+    with pytest.raises(aot.TopologyError, match=r"invalid TPU topology 'v5p' \(.*GENERATION:SHAPE"):
+        aot.tpu_devices("v5p")
+
+
+def test_missing_libtpu_says_what_to_install(monkeypatch):
+    def no_libtpu(**kwargs):  # what jax raises when it finds no libtpu to load
+        raise RuntimeError("JAX TPU support not installed; cannot generate TPU topology.")
+
+    monkeypatch.setattr(topologies, "get_topology_desc", no_libtpu)
+    with pytest.raises(aot.TopologyError, match=r"'v5p:2x2x1': libtpu is not installed.*pip"):
+        aot.tpu_devices("v5p:2x2x1")
+
+
+def test_qwen3_30b_shape_compiles_for_v5p_and_reports(monkeypatch):
+    cfg = config.load(
+        REPO / "configs/models/qwen3-30b-a3b.yml",
         [
-            str(REPO / "configs/models/qwen3-30b-a3b.yml"),
-            "topology=v5p:2x2x1",
             "model.num_layers=2",
             "data.global_batch_size=4",
             "data.seq_len=128",
             "kernels.gmm_backend=ragged_dot",
             "sharding.preset=fsdp",
-            f"json={out}",
-        ]
+        ],
     )
-    r = json.loads(out.read_text())
-    assert rc == 1 and r["fits"] is False
+    step = aot.compile_step(cfg, "v5p:2x2x1")
+    # A chip with 1 MiB of HBM: the step cannot fit.
+    monkeypatch.setitem(aot.HBM_GIB, "v5p", 1 / 1024)
+    r = json.loads(json.dumps(aot.report(step)))  # what json=PATH writes
+    assert r["fits"] is False and r["hbm_bytes"] == 1024**2
+    assert "HBM: DOES NOT FIT" in aot.format_report(r)
     assert r["chips"] == 4 and r["mesh"] == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 1}
     # Arguments: f32 params + two f32 Adam moments, sharded 4 ways. 2 layers of
     # Qwen3-30B-A3B + embeddings ~ 1.88e9 params -> ~5.6 GB per chip; allow 10% for the rest.
@@ -92,3 +107,33 @@ def test_qwen3_30b_shape_compiles_for_v5p_and_reports(aot, tmp_path, monkeypatch
     assert r["total_bytes"] < 95 * 1024**3  # fits a real v5p chip comfortably
     ops = {c["op"] for c in r["collectives"]}
     assert "all-gather" in ops, r["collectives"]  # FSDP gathers the sharded weights
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(REPO / "scripts/aot_compile.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+
+
+def test_cli_prints_the_report_and_writes_json_and_hlo(tmp_path):
+    tiny = str(REPO / "configs/models/tiny-qwen3-moe.yml")
+    out = _cli(tiny, "topology=v5p:2x2x1", f"json={tmp_path}/r.json", f"hlo={tmp_path}/s.hlo")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]  # fits: exit 0
+    assert out.stdout.startswith("topology v5p:2x2x1: 4 chips, mesh {'data': 1, 'fsdp': 4")
+    assert "HBM: fits" in out.stdout and "collectives per step" in out.stdout
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["fits"] is True and r["preset"] == "fsdp" and r["collectives"]
+    assert "all-gather" in (tmp_path / "s.hlo").read_text()
+
+
+def test_cli_input_errors_are_one_line():
+    tiny = str(REPO / "configs/models/tiny-qwen3-moe.yml")
+    out = _cli(tiny, "topology=v9z:2x2")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith("topology error: unknown TPU generation 'v9z'"), out.stderr
+    out = _cli(tiny)
+    assert out.returncode == 2 and "missing topology=NAME" in out.stderr, out.stderr

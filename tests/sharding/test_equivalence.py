@@ -4,19 +4,16 @@ The device count is fixed when jax initialises, so the work runs in a fresh inte
 (equivalence_worker.py) with XLA_FLAGS=--xla_force_host_platform_device_count=8.
 """
 
-from pathlib import Path
-
 import pytest
 
-from fake_devices import run_result
+from fake_devices import run_worker
 
-WORKER = Path(__file__).with_name("equivalence_worker.py")
 TIMEOUT_S = 1500  # ~80 s of CPU; wall time grows with the host's load
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_result([str(WORKER)], timeout_s=TIMEOUT_S)
+    return run_worker("tests.sharding.equivalence_worker", timeout_s=TIMEOUT_S)
 
 
 def test_meshes_are_what_the_settings_ask(results):

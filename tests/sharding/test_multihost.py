@@ -7,11 +7,12 @@ checkpoint then restores in a single process and equals the reference's paramete
 """
 
 import json
-import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from fake_devices import run_worker, worker_env
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs/models/tiny-qwen3-moe.yml"
@@ -26,16 +27,6 @@ COMMON = [
     f"checkpoint.every={STEPS}",
     "checkpoint.async_save=false",
 ]
-
-
-def _env(devices: int) -> dict:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = str(REPO / "src")
-    for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
-        env.pop(key, None)
-    return env
 
 
 def _free_port() -> int:
@@ -55,7 +46,7 @@ def _cli(run_dir, extra, devices):
     ]
     return subprocess.Popen(
         cmd,
-        env=_env(devices),
+        env=worker_env(devices),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -105,22 +96,9 @@ def test_two_processes_match_one_and_checkpoint_restores_in_one(tmp_path):
     for s in a:
         assert abs(a[s] - b[s]) <= 1e-6 * abs(b[s]), (s, a[s], b[s])
 
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(Path(__file__).with_name("restore_worker.py")),
-            str(multi),
-            str(single),
-        ],
-        env=_env(1),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        cwd=REPO,
+    r = run_worker(
+        "tests.sharding.restore_worker", str(multi), str(single), timeout_s=TIMEOUT_S, devices=1
     )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-    r = json.loads(line[len("RESULT ") :])
     assert r["steps"] == [STEPS, STEPS] and r["devices"] == 1
     # Restored onto one device from a 4-shard checkpoint written by two processes: the params
     # equal the single-process run's to f32 rounding of differently ordered reductions.

@@ -13,21 +13,19 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from moetext import config
+from moetext.aot import tpu_devices
 from moetext.config import ConfigError
 from moetext.sharding import logical, mesh, plan, rules
 from moetext.train import loop
 from moetext.train.step import abstract_batch
 
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 TINY = os.path.join(os.path.dirname(__file__), "../../configs/models/tiny-qwen3-moe.yml")
 QUIET = ["train.progress_bar=false", "checkpoint.enabled=false"]
 
 
 @pytest.fixture(scope="module")
 def chips8():
-    from jax.experimental import topologies
-
-    return topologies.get_topology_desc(topology_name="v5p:2x2x2", platform="tpu").devices
+    return tpu_devices("v5p:2x2x2")
 
 
 def load(*overrides):

@@ -1,0 +1,344 @@
+"""Ahead-of-time compilation for TPU topologies: per-chip memory, FLOPs and collectives.
+
+No TPU is needed. libtpu describes a topology's chips (`tpu_devices`, the one place this
+project asks it), the mesh and shardings come from the run's sharding preset, and the real
+train step is traced under its logical rules exactly as in training (`compile_step`).
+`report` reads the compiled program: XLA's memory analysis against the chip's HBM, XLA's and
+the model's FLOPs per chip, and the collectives of the optimised HLO counted per step
+(`collectives`: ops inside the layer scan's while body count once per trip).
+
+scripts/aot_compile.py is the command line over this module; the benchmarks and the TPU
+tests take their devices from `tpu_devices`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import time
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+if TYPE_CHECKING:
+    from moetext.config import Config
+    from moetext.train.loop import Built
+
+GiB = 1024**3
+# HBM per chip, GiB, by the topology name's generation prefix.
+HBM_GIB: dict[str, float] = {
+    "v4": 32,
+    "v5e": 16,
+    "v5litepod": 16,
+    "v5p": 95,
+    "v6e": 32,
+    "tpu7x": 192,
+}
+# A small topology per chip generation (the chip names of kernels/gmm/tiling.py): what the
+# kernel tests and benchmarks compile one chip of.
+TOPOLOGY_BY_CHIP = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v5p": "v5p:2x2x1", "tpu7x": "tpu7x:2x2x1"}
+DTYPE_BYTES: dict[str, float] = {
+    "pred": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
+COLLECTIVES = (
+    "all-gather",
+    "reduce-scatter",
+    "all-reduce",
+    "ragged-all-to-all",
+    "all-to-all",
+    "collective-permute",
+)
+_OP_RE = re.compile(
+    r"=\s*(?P<shape>\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+    r"(?P<op>" + "|".join(COLLECTIVES) + r")(?:-start)?\("
+)
+_ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_COMP_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
+_CALL_RE = re.compile(r"\b(body|condition|calls|to_apply|called_computations)=\{?%?([\w.\-]+)")
+_TRIP_RE = re.compile(r'known_trip_count"?\s*[:=]\s*\{\s*"?n"?\s*[:=]\s*"?(\d+)')
+
+
+class TopologyError(ValueError):
+    """A TPU topology this process cannot describe: a name libtpu rejects, a generation with no
+    known HBM size, or no libtpu installed."""
+
+
+# --- the topology ------------------------------------------------------------------------------
+
+
+def tpu_devices(topology: str) -> list[jax.Device]:
+    """The chips of a libtpu topology such as "v5p:2x2x1", as compile-only devices.
+
+    Nothing is opened: the devices only describe the chips, so a CPU-only machine with libtpu
+    installed can lower and compile for them (shardings, `jax.jit(...).lower(...).compile()`).
+    """
+    # Describing a topology never opens a TPU: don't contend for libtpu's one-process lock.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+
+    examples = ", ".join(TOPOLOGY_BY_CHIP.values())
+    expected = f"a libtpu topology name GENERATION:SHAPE, e.g. {examples}"
+    try:
+        desc = topologies.get_topology_desc(topology_name=topology, platform="tpu")
+    except jax.errors.JaxRuntimeError as e:
+        if "INVALID_ARGUMENT" not in str(e):
+            raise
+        reason = str(e).splitlines()[0].removeprefix("INVALID_ARGUMENT: ")
+        raise TopologyError(
+            f"invalid TPU topology {topology!r} ({reason}); expected {expected}"
+        ) from e
+    except RuntimeError as e:  # "JAX TPU support not installed": jax found no libtpu to load
+        if "not installed" not in str(e):
+            raise
+        raise TopologyError(
+            f"cannot describe TPU topology {topology!r}: libtpu is not installed. Ahead-of-time "
+            f"TPU compiles need it, not a TPU: pip install -r requirements.txt (pins libtpu)"
+        ) from e
+    return list(desc.devices)
+
+
+def hbm_bytes(topology: str) -> int:
+    """HBM bytes per chip of the topology's TPU generation (its name's prefix)."""
+    gen = topology.split(":")[0].split("-")[0]
+    if gen not in HBM_GIB:
+        raise TopologyError(
+            f"unknown TPU generation {gen!r} in {topology!r}; known: {sorted(HBM_GIB)}"
+        )
+    return int(HBM_GIB[gen] * GiB)
+
+
+# --- collectives in optimised HLO text ---------------------------------------------------------
+
+
+def array_bytes(shape_text: str) -> tuple[float, list[str]]:
+    """Bytes of an HLO result shape such as bf16[128,2048]{1,0} or a tuple of them."""
+    total, dtypes = 0.0, []
+    for dtype, dims in _ARRAY_RE.findall(shape_text):
+        n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+        total += n * DTYPE_BYTES.get(dtype, 4)
+        dtypes.append(dtype)
+    return total, dtypes
+
+
+def _call_multipliers(lines: list[str]) -> tuple[list[str | None], dict[str, int]]:
+    """Computation of each line, and how often each computation runs per step: a while body
+    runs trip-count times per run of its caller; fusions and async wrappers as often as
+    their callers."""
+    comp_of_line: list[str | None] = []
+    current: str | None = None
+    body_of: dict[str | None, list[str]] = defaultdict(list)
+    for line in lines:
+        m = _COMP_RE.match(line.strip())
+        if m:
+            current = m.group(1)
+        comp_of_line.append(current)
+        body_of[current].append(line)
+    callers: dict[str, list[tuple[str | None, int]]] = defaultdict(list)
+    for line, comp in zip(lines, comp_of_line, strict=True):
+        for key, callee in _CALL_RE.findall(line):
+            n = _trip_count(line, body_of) if key == "body" else 1
+            callers[callee].append((comp, n))
+
+    memo: dict[str, int] = {}
+
+    def times(comp: str | None, depth: int = 0) -> int:
+        if comp is None or comp not in callers or depth > 64:
+            return 1  # ENTRY (or a computation nothing calls)
+        if comp not in memo:
+            memo[comp] = sum(times(c, depth + 1) * n for c, n in callers[comp])
+        return memo[comp]
+
+    return comp_of_line, {c: times(c) for c in set(comp_of_line) if c is not None}
+
+
+def _trip_count(while_line: str, body_of: dict[str | None, list[str]]) -> int:
+    """known_trip_count when XLA recorded it, else the loop bound: the one integer constant in
+    the condition computation (scan loops count from 0 while i < n)."""
+    t = _TRIP_RE.search(while_line)
+    if t:
+        return int(t.group(1))
+    cond = re.search(r"condition=%?([\w.\-]+)", while_line)
+    consts = [
+        int(c.group(1))
+        for line in body_of.get(cond.group(1) if cond else None, [])
+        if (c := re.search(r"=\s*s(?:32|64)\[\][^ ]*\s+constant\((\d+)\)", line))
+    ]
+    return consts[0] if len(consts) == 1 else 1
+
+
+def collectives(hlo_text: str, *, by: str = "dtype") -> dict[tuple[str, str], dict[str, float]]:
+    """(op, element types) -> count and bytes per step; ops inside a while body (the layer
+    scan), or in computations it calls, count once per known trip. by="shape" keys on the
+    result shape instead (e.g. f8e4m3fn[8,2048,768]: which arrays cross the wire)."""
+    lines = hlo_text.splitlines()
+    comp_of_line, times = _call_multipliers(lines)
+    out: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: {"count": 0, "bytes": 0.0})
+    for line, comp in zip(lines, comp_of_line, strict=True):
+        m = _OP_RE.search(line)
+        if not m or "-done(" in line:
+            continue
+        nbytes, dtypes = array_bytes(m.group("shape"))
+        if by == "shape":
+            shapes = [f"{dt}[{dims}]" for dt, dims in _ARRAY_RE.findall(m.group("shape"))]
+            key = (m.group("op"), ",".join(shapes))
+        else:
+            key = (m.group("op"), ",".join(sorted(set(dtypes))))
+        k = times.get(comp, 1) if comp is not None else 1
+        out[key]["count"] += k
+        out[key]["bytes"] += k * nbytes
+    return dict(out)
+
+
+# --- the train step ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+    """The real train step compiled for a topology, with what it was built from."""
+
+    topology: str
+    built: Built
+    compiled: jax.stages.Compiled
+    lower_s: float
+    compile_s: float
+
+
+def for_tpu(cfg: Config) -> Config:
+    """cfg with kernels.gmm_backend="auto" resolved for TPU ("auto" picks by the platform this
+    process runs on, which for an AOT compile is the host's CPU)."""
+    if cfg.kernels.gmm_backend != "auto":
+        return cfg
+    from moetext.kernels.gmm import auto_backend_name
+
+    return cfg.replace(
+        kernels=dataclasses.replace(cfg.kernels, gmm_backend=auto_backend_name("tpu"))
+    )
+
+
+def compile_step(cfg: Config, topology: str) -> CompiledStep:
+    """Builds the train state abstractly on the topology's chips and compiles the train step.
+
+    Raises TopologyError before any work for a topology that cannot be described, and XLA's
+    JaxRuntimeError when it refuses to compile (`exceeds_hbm` tells a step too big for HBM).
+    """
+    from moetext.train import loop
+    from moetext.train.step import abstract_batch
+
+    hbm_bytes(topology)  # an unknown generation fails now, not after minutes of compiling
+    cfg = for_tpu(cfg)
+    b = loop.build(cfg, tpu_devices(topology), abstract=True)
+    batch = abstract_batch(cfg.data.global_batch_size, cfg.data.seq_len, b.batch_sharding)
+    t0 = time.perf_counter()
+    lowered = loop.lower_checked(b, loop.jit_train_step(b), b.state, batch)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    return CompiledStep(topology, b, compiled, t1 - t0, time.perf_counter() - t1)
+
+
+def exceeds_hbm(error: Exception) -> bool:
+    """Whether XLA refused to finish compiling because the program's buffers exceed HBM: the
+    answer "does not fit", with XLA's own numbers in the message."""
+    return "RESOURCE_EXHAUSTED" in str(error) or "HbmOom" in str(error)
+
+
+def report(step: CompiledStep) -> dict[str, Any]:
+    """Per-chip memory against HBM, FLOPs and collectives of a compiled step (JSON-ready)."""
+    from moetext.models.flops import flops_per_token
+
+    cfg, b, compiled = step.built.cfg, step.built, step.compiled
+    mem = compiled.memory_analysis()
+    if mem is None:  # the TPU compiler always provides one
+        raise RuntimeError(f"XLA gave no memory analysis for the step on {step.topology}")
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    args, temps = mem.argument_size_in_bytes, mem.temp_size_in_bytes
+    outs, alias = mem.output_size_in_bytes, mem.alias_size_in_bytes
+    # Donated state: outputs that alias arguments take no extra memory.
+    total = args + temps + outs - alias
+    hbm = hbm_bytes(step.topology)
+    chips = b.mesh.devices.size
+    tokens_per_chip = cfg.data.global_batch_size * cfg.data.seq_len / chips
+    hlo = compiled.as_text() or ""
+    coll = collectives(hlo)
+    by_shape = sorted(collectives(hlo, by="shape").items(), key=lambda kv: -kv[1]["bytes"])
+    return {
+        "topology": step.topology,
+        "chips": chips,
+        "mesh": dict(b.mesh.shape),
+        "preset": b.plan.preset.name,
+        "global_batch_size": cfg.data.global_batch_size,
+        "seq_len": cfg.data.seq_len,
+        "tokens_per_chip": tokens_per_chip,
+        "arguments_bytes": args,
+        "temporaries_bytes": temps,
+        "outputs_bytes": outs,
+        "alias_bytes": alias,
+        "total_bytes": total,
+        "hbm_bytes": hbm,
+        "fits": total <= hbm,
+        # XLA's cost analysis counts a while body once: the layer scan's FLOPs appear once.
+        "xla_flops_per_chip": float(cost.get("flops", float("nan"))) if cost else float("nan"),
+        # Model FLOPs (6N + attention, no remat recompute): what MFU is measured against.
+        "model_flops_per_chip": flops_per_token(cfg.model, cfg.moe, cfg.data.seq_len)
+        * tokens_per_chip,
+        "lower_s": step.lower_s,
+        "compile_s": step.compile_s,
+        "collectives": [
+            {"op": op, "dtypes": dt, "count": v["count"], "bytes": v["bytes"]}
+            for (op, dt), v in sorted(coll.items())
+        ],
+        "collectives_by_shape": [
+            {"op": op, "shapes": sh, "count": v["count"], "bytes": v["bytes"]}
+            for (op, sh), v in by_shape
+        ],
+    }
+
+
+def format_report(r: dict[str, Any]) -> str:
+    """The report as the lines scripts/aot_compile.py prints."""
+
+    def g(n: float) -> str:
+        return f"{n / GiB:8.2f} GiB"
+
+    lines = [
+        f"topology {r['topology']}: {r['chips']} chips, mesh {r['mesh']}, preset {r['preset']}",
+        f"batch {r['global_batch_size']} x {r['seq_len']} = {r['tokens_per_chip']:.0f} "
+        f"tokens per chip; lower {r['lower_s']:.1f} s, compile {r['compile_s']:.1f} s",
+        "memory per chip:",
+    ]
+    for key in ("arguments", "temporaries", "outputs", "alias"):
+        lines.append(f"  {key:<12}{g(r[key + '_bytes'])}")
+    verdict = "fits" if r["fits"] else "DOES NOT FIT"
+    lines += [
+        f"  {'total':<12}{g(r['total_bytes'])} of {g(r['hbm_bytes']).strip()} HBM: {verdict}",
+        f"FLOPs per chip per step: model {r['model_flops_per_chip']:.4g} (6N + attention); "
+        f"XLA cost analysis {r['xla_flops_per_chip']:.4g} (scan body counted once)",
+        "collectives per step (ops in the layer scan counted once per layer):",
+    ]
+    for c in r["collectives"]:
+        lines.append(f"  {c['op']:<20}{c['dtypes']:<12}{c['count']:>6} x  {g(c['bytes'])} total")
+    lines.append("largest collectives by result shape:")
+    for c in r["collectives_by_shape"][:8]:
+        lines.append(f"  {c['op']:<20}{c['shapes']:<32}{c['count']:>6} x  {g(c['bytes'])} total")
+    return "\n".join(lines)
