@@ -1,7 +1,8 @@
-"""FP8 (QuantizedGmm) vs bf16 for one MoE expert FFN: residual memory and CPU time.
+"""An FP8 recipe vs bf16 for one MoE expert FFN: residual memory and CPU time.
 
     .venv/bin/python scripts/bench_fp8.py memory [--target cpu|v5p:2x2x1|...]   # Qwen3-30B-A3B
     .venv/bin/python scripts/bench_fp8.py time [--tokens 1024 --d 1024 --f 512 --experts 16]
+    .venv/bin/python scripts/bench_fp8.py time --recipe fp8_tensorwise   # default fp8_blockwise
 
 Legend: T tokens, K top-k, M = T*K routed rows, D model dim, F expert hidden dim, E experts.
 The function is the expert half of an MoE layer: xs = x[rows sorted by expert] (a temporary, as
@@ -9,7 +10,8 @@ in the real dispatch), g|u = gmm(xs, w_gate|w_up), h = swiglu(g, u) (kernels/act
 y = gmm(h, w_down), loss = <y, c>. memory: residuals the forward keeps for the backward (from the
 jaxpr of jax.vjp, inputs excluded, split into the gmm operands and the rest) and the compiled
 temp bytes of the jitted gradient (XLA's memory analysis; AOT for a TPU topology). time: median
-wall time of the jitted gradient, bf16 and FP8 with the same backend, in this process.
+wall time of the jitted gradient, bf16 and FP8 with the same backend, in this process. The FP8
+side is `Gmm(backend, recipe)` (kernels/quant/), the bf16 side `Gmm(backend)`.
 """
 
 from __future__ import annotations
@@ -27,30 +29,30 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from moetext.kernels import available_recipes, make_recipe  # noqa: E402
 from moetext.kernels.activations import swiglu  # noqa: E402
-from moetext.kernels.fp8 import Fp8Recipe, QuantizedGmm  # noqa: E402
-from moetext.kernels.gmm import get_backend, gmm  # noqa: E402
+from moetext.kernels.gmm import Gmm, get_backend  # noqa: E402
 
 MiB = 1 << 20
 
 
-def moe_ffn_loss(backend, x_TD, w_in_EDX, w_down_EFD, order_M, sizes_E, topk, act="swiglu"):
+def moe_ffn_loss(op, x_TD, w_in_EDX, w_down_EFD, order_M, sizes_E, topk, act="swiglu"):
     """w_in_EDX: [E, D, 2F] fused gate|up (the MoE layer's layout: models/moe/experts.py
     `swiglu_mlp` runs gate and up as one gmm, so xs is quantized and kept once), or a pair
     ([E, D, F], [E, D, F]) for separate gate and up gmms. act: "swiglu" = the
-    layer's kernels.activations.swiglu (keeps g and u, FP8 under QuantizedGmm), "jax" = JAX's
-    autodiff of silu(g) * u."""
+    layer's kernels.activations.swiglu (keeps g and u as the op's recipe stores activations: FP8
+    under fp8_blockwise), "jax" = JAX's autodiff of silu(g) * u. op: the Gmm."""
     xs_MD = x_TD[order_M // topk]
     if isinstance(w_in_EDX, tuple):
-        g_MF = gmm(xs_MD, w_in_EDX[0], sizes_E, backend=backend)
-        u_MF = gmm(xs_MD, w_in_EDX[1], sizes_E, backend=backend)
+        g_MF = op(xs_MD, w_in_EDX[0], sizes_E)
+        u_MF = op(xs_MD, w_in_EDX[1], sizes_E)
     else:
-        g_MF, u_MF = jnp.split(gmm(xs_MD, w_in_EDX, sizes_E, backend=backend), 2, axis=-1)
+        g_MF, u_MF = jnp.split(op(xs_MD, w_in_EDX, sizes_E), 2, axis=-1)
     if act == "swiglu":
-        h_MF = swiglu(g_MF, u_MF, backend=backend)
+        h_MF = swiglu(g_MF, u_MF, gmm=op)
     else:
         h_MF = jax.nn.silu(g_MF) * u_MF
-    y_MD = gmm(h_MF, w_down_EFD, sizes_E, backend=backend)
+    y_MD = op(h_MF, w_down_EFD, sizes_E)
     # A plain sum: its cotangent is a broadcast constant, so the loss adds no residual.
     return jnp.sum(y_MD.astype(jnp.float32))
 
@@ -92,14 +94,14 @@ def _nbytes(avals):
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in avals)
 
 
-def residuals(backend, args, topk, act):
+def residuals(op, args, topk, act):
     """(bytes kept for the gmm lhs operands, bytes of all residuals, residual avals).
 
     The gmm share is measured on each gmm call alone with its lhs counted (inside the layer the
     lhs is a temporary): bf16 keeps lhs itself, FP8 its values and scales. Weights are
     parameters (inputs) in both.
     """
-    layer = _residual_avals(lambda *a: moe_ffn_loss(backend, *a, topk, act), args)
+    layer = _residual_avals(lambda *a: moe_ffn_loss(op, *a, topk, act), args)
     x, w_in, w_down, order, sizes = args
     m, d, f = order.shape[0], x.shape[1], w_down.shape[1]
     calls = [((m, d), w) for w in (w_in if isinstance(w_in, tuple) else (w_in,))]
@@ -107,16 +109,16 @@ def residuals(backend, args, topk, act):
     ours = 0
     for lhs_shape, w in calls:
         lhs = jax.ShapeDtypeStruct(lhs_shape, jnp.bfloat16)
-        fn = lambda a, w, gs: gmm(a, w, gs, backend=backend)
+        fn = lambda a, w, gs: op(a, w, gs)
         kept = _residual_avals(fn, (lhs, w, sizes), keep_inputs=(0,))
         ours += _nbytes(a for a in kept if jnp.issubdtype(a.dtype, jnp.floating))
     return ours, _nbytes(layer), layer
 
 
-def compiled_residuals(backend, args, topk, act):
+def compiled_residuals(op, args, topk, act):
     """Bytes of the residuals as XLA lays them out: the outputs of the compiled forward that
     returns exactly what the backward keeps (inputs excluded), including TPU tile padding."""
-    loss = lambda *a: moe_ffn_loss(backend, *a, topk, act)
+    loss = lambda *a: moe_ffn_loss(op, *a, topk, act)
 
     def kept(*a):
         inputs = {id(x) for x in jax.tree_util.tree_leaves(a)}
@@ -127,8 +129,8 @@ def compiled_residuals(backend, args, topk, act):
     return mem.output_size_in_bytes
 
 
-def compiled_temp(backend, args, topk, act):
-    loss = lambda *a: moe_ffn_loss(backend, *a, topk, act)
+def compiled_temp(op, args, topk, act):
+    loss = lambda *a: moe_ffn_loss(op, *a, topk, act)
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     mem = grad.lower(*args).compile().memory_analysis()
     return mem.temp_size_in_bytes
@@ -151,7 +153,7 @@ def memory(a) -> None:
         f" D={a.d} F={a.f} E={a.experts}, activation {a.activation}"
     )
     rows = {}
-    for label, be in (("bf16", base), ("fp8", QuantizedGmm(base, Fp8Recipe()))):
+    for label, be in (("bf16", Gmm(base)), ("fp8", Gmm(base, make_recipe(a.recipe)))):
         ours, total, detail = residuals(be, args, a.topk, a.activation)
         nan = float("nan")
         temp = compiled_temp(be, args, a.topk, a.activation) if a.compiled else nan
@@ -165,8 +167,9 @@ def memory(a) -> None:
         print("    layer residuals:", ", ".join(f"{a.shape}{a.dtype.name}" for a in detail))
     pct = lambda i: 100 * (1 - rows["fp8"][i] / rows["bf16"][i])
     print(
-        f"fp8 vs bf16: gmm lhs residuals {pct(0):.1f}% less, layer residuals {pct(1):.1f}% less, "
-        f"compiled residuals {pct(3):.1f}% less, compiled grad temp {pct(2):.1f}% less"
+        f"{a.recipe} vs bf16: gmm lhs residuals {pct(0):.1f}% less, layer residuals "
+        f"{pct(1):.1f}% less, compiled residuals {pct(3):.1f}% less, compiled grad temp "
+        f"{pct(2):.1f}% less"
     )
 
 
@@ -175,7 +178,7 @@ def timing(a) -> None:
     base = get_backend(a.backend)
     print(f"CPU time, backend {base.name}, T={a.tokens} K={a.topk} D={a.d} F={a.f} E={a.experts}")
     res = {}
-    for label, be in (("bf16", base), ("fp8", QuantizedGmm(base, Fp8Recipe()))):
+    for label, be in (("bf16", Gmm(base)), ("fp8", Gmm(base, make_recipe(a.recipe)))):
         loss = lambda *x, be=be: moe_ffn_loss(be, *x, a.topk, a.activation)
         for what, fn in (
             ("fwd", jax.jit(loss)),
@@ -190,7 +193,7 @@ def timing(a) -> None:
             res[label, what] = float(np.median(ts))
             print(f"{label:>5} {what:>8}: {res[label, what] * 1e3:9.1f} ms (median of {a.repeats})")
     for what in ("fwd", "fwd+bwd"):
-        print(f"fp8 / bf16 {what}: {res['fp8', what] / res['bf16', what]:.2f}x")
+        print(f"{a.recipe} / bf16 {what}: {res['fp8', what] / res['bf16', what]:.2f}x")
 
 
 def main() -> None:
@@ -198,6 +201,12 @@ def main() -> None:
     p.add_argument("mode", choices=["memory", "time"])
     p.add_argument("--target", default="cpu", help="cpu, or a TPU topology such as v5p:2x2x1")
     p.add_argument("--backend", default="blocked", help="gmm backend for the cpu target")
+    p.add_argument(
+        "--recipe",
+        default="fp8_blockwise",
+        choices=[r for r in available_recipes() if r != "none"],
+        help="the quantization recipe measured against bf16",
+    )
     p.add_argument("--tokens", type=int, default=None)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--d", type=int, default=None)

@@ -81,12 +81,22 @@ RESUME_SAFE_FIELDS = frozenset(
                 "checked",
                 "tiling",
                 "quantization",
-                "fp8_block_size",
-                "fp8_weight_block",
-                "fp8_bwd_quantize",
-                "qag",
                 "fuse_gate_up",
                 "grad_reduce_dtype",
+            )
+        ),
+        # The quantization recipes' options (kernels/quant/: fp8_blockwise, fp8_tensorwise).
+        *(
+            f"kernels.recipe.{k}"
+            for k in (
+                "block_size",
+                "weight_block",
+                "bwd_quantize",
+                "fwd_dtype",
+                "grad_dtype",
+                "emulation_dtype",
+                "save_rhs",
+                "qag",
             )
         ),
         # Where the same data lives, prefetch depth, held-out batches.

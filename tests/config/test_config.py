@@ -130,12 +130,35 @@ def test_wrong_type_names_key_type_and_value():
 
 
 def test_quantization_settings_that_would_be_ignored_are_errors():
-    with pytest.raises(ConfigError, match=r"kernels.qag=true .* needs kernels.quantization="):
-        config.load(TINY, ["kernels.qag=true"])
+    with pytest.raises(
+        ConfigError, match=r"kernels.recipe sets qag but kernels.quantization is 'none'"
+    ):
+        config.load(TINY, ["kernels.recipe.qag=true"])
     with pytest.raises(ConfigError, match=r"needs moe.dispatch='dropless'.*'capacity'"):
         config.load(TINY, ["kernels.quantization=fp8_blockwise", "moe.dispatch=capacity"])
-    cfg = config.load(TINY, ["kernels.quantization=fp8_blockwise", "kernels.qag=true"])
-    assert cfg.kernels.qag is True
+    cfg = config.load(TINY, ["kernels.quantization=fp8_blockwise", "kernels.recipe.qag=true"])
+    assert cfg.kernels.recipe == {"qag": True}
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("kernels.fp8_block_size=64", "kernels.recipe.block_size"),
+        ("kernels.fp8_weight_block=128x128", "kernels.recipe.weight_block"),
+        ("kernels.fp8_bwd_quantize=true", "kernels.recipe.bwd_quantize"),
+        ("kernels.qag=true", "kernels.recipe.qag"),
+    ],
+)
+def test_moved_keys_name_their_new_place(old, new, tmp_path):
+    key, value = old.split("=")
+    message = rf"config key '{key}' has moved to '{new}'"
+    with pytest.raises(ConfigError, match=message):
+        config.load(TINY, ["kernels.quantization=fp8_blockwise", old])
+    section, field = key.split(".")
+    path = tmp_path / "old.yml"
+    path.write_text(f"base_config: {TINY}\n{section}:\n  {field}: {value}\n")
+    with pytest.raises(ConfigError, match=message):
+        config.load(path)
 
 
 def test_missing_file():

@@ -16,6 +16,7 @@ initialises, so tests/fake_devices.py starts it in a fresh interpreter) and prin
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -33,7 +34,9 @@ from jax.sharding import PartitionSpec as P
 from moetext.kernels import fp8
 from moetext.kernels import gmm as gmm_lib
 from moetext.kernels.fp8.qag import quantized_all_gather
+from moetext.kernels.gmm import Gmm
 from moetext.kernels.gmm.gather import Gather, gather_weight
+from moetext.kernels.quant import Fp8Blockwise
 
 # Shapes of section 2: rows per shard, contraction, outputs, groups.
 M, K, N, G = 48, 256, 96, 4
@@ -115,7 +118,7 @@ class ShardedGmm:
 
     def grads(
         self,
-        backend: Any,
+        op: str | Gmm,
         *,
         transpose: bool = False,
         gathered_outside: bool = False,
@@ -124,17 +127,19 @@ class ShardedGmm:
     ) -> tuple[list[np.ndarray], str]:
         w = self.w if w is None else w
         gs = self.gs
+        if isinstance(op, str):
+            op = Gmm(gmm_lib.get_backend(op))
+        if reduce_dtype is not None:
+            op = dataclasses.replace(op, grad_reduce_dtype=jnp.dtype(reduce_dtype).name)
         spec = P(None, None, ("a", "b")) if transpose else P(None, ("a", "b"), None)
         gather: Gather = ((2 if transpose else 1, ("a", "b")),)
 
         def body(xl: jax.Array, wl: jax.Array) -> jax.Array:
-            kw: dict[str, Any] = dict(
-                backend=backend, preferred_element_type=jnp.bfloat16, transpose_rhs=transpose
-            )
-            if gathered_outside:  # the plain path, outside the backend
+            kw: dict[str, Any] = dict(preferred_element_type=jnp.bfloat16, transpose_rhs=transpose)
+            if gathered_outside:  # the plain path, outside the recipe
                 full = gather_weight(wl, gather, jnp.bfloat16)
-                return gmm_lib.gmm(xl, full, gs, **kw)
-            return gmm_lib.gmm(xl, wl, gs, rhs_gather=gather, grad_reduce_dtype=reduce_dtype, **kw)
+                return op(xl, full, gs, **kw)
+            return op(xl, wl, gs, rhs_gather=gather, **kw)
 
         f = jax.shard_map(
             body,
@@ -152,9 +157,9 @@ class ShardedGmm:
         return [np.asarray(a, np.float64) for a in (v, gx, gw)], lowered.as_text()
 
 
-def quantized(name: str, qag: bool, **recipe: Any) -> fp8.QuantizedGmm:
-    r = fp8.Fp8Recipe(block_size=64, qag=qag, **recipe)  # 32-wide K shards: 2 per block
-    return fp8.QuantizedGmm(gmm_lib.get_backend(name), r)
+def quantized(name: str, qag: bool, **recipe: Any) -> Gmm:
+    r = Fp8Blockwise(block_size=64, qag=qag, **recipe)  # 32-wide K shards: 2 per block
+    return Gmm(gmm_lib.get_backend(name), r)
 
 
 def check_qag_gmm(s: ShardedGmm) -> dict[str, dict[str, list[float]]]:

@@ -1,5 +1,5 @@
 """kernels/activations.swiglu: the forward is JAX's silu(g) * u, the backward (which keeps only
-g and u) matches a float64 NumPy oracle, and under QuantizedGmm g and u are kept as FP8."""
+g and u) matches a float64 NumPy oracle, and under fp8_blockwise g and u are kept as FP8."""
 
 import jax
 import jax.numpy as jnp
@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from moetext.kernels.activations import swiglu
-from moetext.kernels.fp8 import Fp8Recipe, QuantizedGmm, quantize
-from moetext.kernels.gmm import get_backend
+from moetext.kernels.fp8 import quantize
+from moetext.kernels.gmm import Gmm, get_backend
+from moetext.kernels.quant import Fp8Blockwise
 
 
 def _data(dtype, seed=0, shape=(64, 256)):
@@ -46,10 +47,10 @@ def test_backward_keeps_only_g_and_u():
     assert sorted(kept, key=str) == [(g.shape, jnp.bfloat16)] * 2, kept
 
 
-def test_quantizing_backend_keeps_fp8_and_grads_use_them():
-    qb = QuantizedGmm(get_backend("ragged_dot"), Fp8Recipe(block_size=128))
+def test_quantizing_recipe_keeps_fp8_and_grads_use_them():
+    qb = Gmm(get_backend("ragged_dot"), Fp8Blockwise(block_size=128))
     g, u, dh = _data(jnp.bfloat16)
-    out, vjp = jax.vjp(lambda g, u: swiglu(g, u, backend=qb), g, u)
+    out, vjp = jax.vjp(lambda g, u: swiglu(g, u, gmm=qb), g, u)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.nn.silu(g) * u))
     kept = {(x.shape, jnp.dtype(x.dtype).name) for x in jax.tree_util.tree_leaves(vjp)}
     assert kept == {(g.shape, "float8_e4m3fn"), ((64, 2), "float32")}, kept

@@ -3,8 +3,8 @@ gathered weights bit for bit, and gmm on a sharded weight slice gives the unshar
 
 The 8-device checks run in one fresh interpreter (qag_worker.py, 8 fake CPU devices on a 2 x 4
 mesh) that prints one JSON line. Oracles: Quantized.of on the full array (bitwise), the same
-QuantizedGmm on the gathered weight with save_rhs="fp8" (bitwise: both paths multiply the same
-FP8 numbers), the plain gmm on the full weight (rhs_gather without quantization, float32).
+fp8_blockwise recipe on the gathered weight with save_rhs="fp8" (bitwise: both paths multiply
+the same FP8 numbers), the plain gmm on the full weight (rhs_gather without quantization, f32).
 
 On CPU, XLA widens collectives it cannot run natively (f8 and bf16 all-gathers compile to f16 and
 f32), so "FP8 on the wire" is checked where it is decided: in the lowered StableHLO on CPU, and
@@ -82,20 +82,19 @@ def test_qag_all_gathers_fp8_in_compiled_tpu_hlo():
     from jax.sharding import PartitionSpec as P
 
     from moetext.aot import tpu_devices
-    from moetext.kernels import fp8
     from moetext.kernels import gmm as gmm_lib
+    from moetext.kernels.quant import Fp8Blockwise
 
     devices = tpu_devices("v5p:2x2x1")
     mesh = Mesh(np.array(devices).reshape(4), ("fsdp",))
-    backend = fp8.QuantizedGmm(gmm_lib.get_backend("ragged_dot"), fp8.Fp8Recipe(qag=True))
+    op = gmm_lib.Gmm(gmm_lib.get_backend("ragged_dot"), Fp8Blockwise(qag=True))
     e, d, f, m = 8, 1024, 256, 512
 
     def body(x, w):
-        return gmm_lib.gmm(
+        return op(
             x,
             w,
             jnp.full((e,), m // e, jnp.int32),
-            backend=backend,
             preferred_element_type=jnp.bfloat16,
             rhs_gather=((1, ("fsdp",)),),
         )

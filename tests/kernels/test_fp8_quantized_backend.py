@@ -1,4 +1,5 @@
-"""QuantizedGmm over every registered gmm backend: forward and gradients against FP8 oracles.
+"""The fp8_blockwise recipe over every registered gmm backend: forward and gradients against
+FP8 oracles.
 
 Legend: M rows, K contraction, N outputs, G groups, L local groups (window from group_offset).
 Oracles: quantize with reference.quantize_reference (bit-exact with the implementation, see
@@ -11,9 +12,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from moetext.kernels.fp8 import Fp8Recipe, QuantizedGmm
 from moetext.kernels.fp8 import reference as ref
-from moetext.kernels.gmm import GmmBackend, available_backends, get_backend
+from moetext.kernels.gmm import Gmm, available_backends, get_backend
+from moetext.kernels.quant import Fp8Blockwise
 
 # Emulated backends multiply float32-dequantized operands (one float32 rounding each) and the
 # FP8 kernels multiply exactly; both accumulate in float32: ~K * 2^-24 of the largest output.
@@ -36,8 +37,10 @@ def _q(x, axis, dtype=E4M3, bs=128):
     return ref.quantize_reference(np.asarray(x, np.float32), axis=axis, block_size=bs, dtype=dtype)
 
 
-def _call(qb, lhs, rhs, transpose=False, pet=jnp.float32):
-    return qb.differentiable_gmm(
+def _call(op, lhs, rhs, transpose=False, pet=jnp.float32):
+    """The recipe's differentiable gmm, called as the Gmm op calls it."""
+    return op.recipe.gmm(
+        op.backend,
         lhs,
         rhs,
         jnp.asarray(SIZES, jnp.int32),
@@ -50,37 +53,42 @@ def _call(qb, lhs, rhs, transpose=False, pet=jnp.float32):
 
 def test_recipe_validation():
     with pytest.raises(ValueError, match="valid: 1x128, 128x128"):
-        Fp8Recipe(weight_block="128x1")
+        Fp8Blockwise(weight_block="128x1")
     with pytest.raises(ValueError, match="valid: 1x32, 32x32"):
-        Fp8Recipe(block_size=32, weight_block="1x128")
+        Fp8Blockwise(block_size=32, weight_block="1x128")
     with pytest.raises(ValueError, match="bwd_quantize"):
-        Fp8Recipe(bwd_quantize="yes")
+        Fp8Blockwise(bwd_quantize="yes")
     with pytest.raises(ValueError, match="grad_dtype"):
-        Fp8Recipe(grad_dtype=jnp.bfloat16)
+        Fp8Blockwise(grad_dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="save_rhs"):
-        Fp8Recipe(save_rhs="bf16")
-    assert Fp8Recipe(grad_dtype=jnp.float8_e5m2).grad_dtype == "float8_e5m2"
-    assert hash(Fp8Recipe()) == hash(Fp8Recipe())  # static argument of the custom_vjp
+        Fp8Blockwise(save_rhs="bf16")
+    assert Fp8Blockwise(grad_dtype=jnp.float8_e5m2).grad_dtype == "float8_e5m2"
+    assert hash(Fp8Blockwise()) == hash(Fp8Blockwise())  # static argument of the custom_vjp
 
 
-def test_wrapper_is_a_backend():
-    qb = QuantizedGmm(get_backend("ragged_dot"))
-    assert isinstance(qb, GmmBackend) and qb.name == "fp8[ragged_dot]"
-    assert not qb.bwd_quantize and QuantizedGmm(get_backend("pallas_tpu")).bwd_quantize  # auto
-    with pytest.raises(ValueError, match="already quantized"):
-        QuantizedGmm(qb)
-    with pytest.raises(ValueError, match="must implement GmmBackend"):
-        QuantizedGmm(object())
+def test_recipe_wraps_any_backend():
+    op = Gmm(get_backend("ragged_dot"), Fp8Blockwise())
+    assert op.name == "fp8_blockwise[ragged_dot]"
+    # bwd_quantize="auto": on where the backend has fused scaled kernels (pallas_tpu).
+    assert not Fp8Blockwise().bind(get_backend("ragged_dot")).bwd_quantize
+    assert Fp8Blockwise().bind(get_backend("pallas_tpu")).bwd_quantize
+    with pytest.raises(ValueError, match="backend must be a GmmBackend"):
+        Gmm(op)  # a quantized op is not a backend: recipes do not stack
+    with pytest.raises(ValueError, match="backend must be a GmmBackend"):
+        Gmm(object())
+    with pytest.raises(ValueError, match="recipe must be a Recipe"):
+        Gmm(get_backend("ragged_dot"), "fp8_blockwise")
 
 
 @pytest.mark.parametrize("name", available_backends())
 def test_every_backend_gives_fp8_numbers(name):
     # blocked is the slowest here (~10 s of XLA:CPU compiles for its loops) but stays: it is the
     # CPU default. Forward gmm (EP window, transposed weights) and tgmm through the protocol.
-    qb = QuantizedGmm(get_backend(name))
+    be, recipe = get_backend(name), Fp8Blockwise()
     x, w, d = _data((M, K), 0), _data((L, N, K), 1), _data((M, N), 2)
     gs = jnp.asarray(SIZES, jnp.int32)
-    out = qb.gmm(
+    out = recipe.gmm(
+        be,
         x,
         w,
         gs,
@@ -93,7 +101,8 @@ def test_every_backend_gives_fp8_numbers(name):
         *_q(x, 1), *_q(w, 2), SIZES, group_offset=OFFSET, transpose_rhs=True
     )
     _close(out, want)
-    out_t = qb.tgmm(
+    out_t = recipe.tgmm(
+        be,
         x,
         d,
         gs,
@@ -132,7 +141,7 @@ def _grad_oracle(x, w, dy, transpose, grad_dtype=E4M3):
 @pytest.mark.parametrize("name", ["pallas_tpu", "ragged_dot"])
 @pytest.mark.parametrize("transpose", [False, True])
 def test_gradients_match_quantized_reference(name, transpose):
-    qb = QuantizedGmm(get_backend(name), Fp8Recipe(bwd_quantize=True))
+    qb = Gmm(get_backend(name), Fp8Blockwise(bwd_quantize=True))
     x, dy = _data((M, K), 3), _data((M, N), 4)
     w = _data((L, N, K) if transpose else (L, K, N), 5)
     out, vjp = jax.vjp(lambda x, w: _call(qb, x, w, transpose), x, w)
@@ -143,8 +152,8 @@ def test_gradients_match_quantized_reference(name, transpose):
 
 
 def test_e5m2_gradients_and_fp8_weight_residuals():
-    recipe = Fp8Recipe(bwd_quantize=True, grad_dtype="float8_e5m2", save_rhs="fp8")
-    qb = QuantizedGmm(get_backend("ragged_dot"), recipe)
+    recipe = Fp8Blockwise(bwd_quantize=True, grad_dtype="float8_e5m2", save_rhs="fp8")
+    qb = Gmm(get_backend("ragged_dot"), recipe)
     x, w, dy = _data((M, K), 6), _data((L, K, N), 7), _data((M, N), 8)
     out, vjp = jax.vjp(lambda x, w: _call(qb, x, w), x, w)
     for got, exp in zip((out, *vjp(dy)), _grad_oracle(x, w, dy, False, E5M2), strict=True):
@@ -157,7 +166,7 @@ def test_e5m2_gradients_and_fp8_weight_residuals():
 def test_unquantized_backward_uses_fp8_residuals():
     # bwd_quantize=False: dlhs = dout @ w.T at input precision; drhs from the dequantized
     # rowwise FP8 lhs (the forward's own quantization, saved instead of a copy of x).
-    qb = QuantizedGmm(get_backend("ragged_dot"), Fp8Recipe(bwd_quantize=False))
+    qb = Gmm(get_backend("ragged_dot"), Fp8Blockwise(bwd_quantize=False))
     x, w, dy = _data((M, K), 9), _data((L, K, N), 10), _data((M, N), 11)
     _, vjp = jax.vjp(lambda x, w: _call(qb, x, w), x, w)
     dx, dw = vjp(dy)
@@ -170,7 +179,7 @@ def test_unquantized_backward_uses_fp8_residuals():
 def test_square_weight_tiles(name):
     # 128x128 weight tiles: one quantization of w serves the forward (contract K) and the
     # backward (contract N); K = 256 and N = 256 give a 2 x 2 grid of tile scales.
-    qb = QuantizedGmm(get_backend(name), Fp8Recipe(weight_block="128x128", bwd_quantize=True))
+    qb = Gmm(get_backend(name), Fp8Blockwise(weight_block="128x128", bwd_quantize=True))
     x, w, dy = _data((M, K), 12), _data((L, K, 256), 13), _data((M, 256), 14)
     out, vjp = jax.vjp(lambda x, w: _call(qb, x, w), x, w)
     dx, dw = vjp(dy)
@@ -190,7 +199,7 @@ def test_square_weight_tiles(name):
 
 
 def test_residuals_hold_no_high_precision_activation():
-    qb = QuantizedGmm(get_backend("ragged_dot"))
+    qb = Gmm(get_backend("ragged_dot"), Fp8Blockwise())
     x, w = _data((M, K), 15, jnp.bfloat16), _data((L, K, N), 16, jnp.bfloat16)
     out, vjp = jax.vjp(lambda x, w: _call(qb, x, w, pet=jnp.bfloat16), x, w)
     res = [(r.shape, jnp.dtype(r.dtype).name) for r in jax.tree_util.tree_leaves(vjp)]
@@ -202,9 +211,10 @@ def test_residuals_hold_no_high_precision_activation():
 
 
 def test_tgmm_gradient_runs_on_dequantized_residuals():
-    qb = QuantizedGmm(get_backend("ragged_dot"))
+    qb = Gmm(get_backend("ragged_dot"), Fp8Blockwise())
     x, d, dout = _data((M, K), 17), _data((M, N), 18), _data((L, K, N), 19)
-    f = lambda x, d: qb.differentiable_tgmm(
+    f = lambda x, d: qb.recipe.tgmm(
+        qb.backend,
         x,
         d,
         jnp.asarray(SIZES, jnp.int32),
@@ -234,20 +244,12 @@ def test_fp8_training_gradient_compiles_for_tpu(topology):
     from moetext.kernels.gmm.pallas_tpu import PallasTpuBackend
 
     dev = tpu_devices(topology)[0]
-    qb = QuantizedGmm(PallasTpuBackend.for_device(dev))
+    qb = Gmm(PallasTpuBackend.for_device(dev), Fp8Blockwise())
     sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=SingleDeviceSharding(dev))
     m, k, n, g = 1024, 512, 256, 4
 
     def loss(x, w, gs):
-        out = qb.differentiable_gmm(
-            x,
-            w,
-            gs,
-            preferred_element_type=jnp.bfloat16,
-            transpose_rhs=False,
-            group_offset=jnp.int32(0),
-            tiling=None,
-        )
+        out = qb(x, w, gs, preferred_element_type=jnp.bfloat16)
         return jnp.sum(out.astype(jnp.float32) ** 2)
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
@@ -259,25 +261,19 @@ def test_fp8_training_gradient_compiles_for_tpu(topology):
     assert "f8e4m3fn" in text
 
 
-def test_public_gmm_and_tgmm_route_through_the_fp8_autodiff():
-    # gmm.gmm / gmm.tgmm call a backend's differentiable_gmm / differentiable_tgmm when it has
-    # them (the api seam), so the public API keeps FP8 residuals and the FP8 backward.
-    from moetext.kernels.gmm import gmm, tgmm
-
-    qb = QuantizedGmm(get_backend("ragged_dot"), Fp8Recipe(bwd_quantize=True))
+def test_gmm_op_routes_through_the_fp8_autodiff():
+    # Gmm.__call__ / Gmm.tgmm hand the math to the recipe, which owns the autodiff, so the public
+    # op keeps FP8 residuals and the FP8 backward.
+    qb = Gmm(get_backend("ragged_dot"), Fp8Blockwise(bwd_quantize=True))
     x, w, dy = _data((M, K), 20), _data((L, K, N), 21), _data((M, N), 22)
     gs = jnp.asarray(SIZES, jnp.int32)
-    f = lambda x, w: gmm(
-        x, w, gs, backend=qb, group_offset=OFFSET, preferred_element_type=jnp.float32
-    )
+    f = lambda x, w: qb(x, w, gs, group_offset=OFFSET, preferred_element_type=jnp.float32)
     out, vjp = jax.vjp(f, x, w)
     for got, exp in zip((out, *vjp(dy)), _grad_oracle(x, w, dy, False), strict=True):
         _close(got, exp)
     assert "float8_e4m3fn" in {jnp.dtype(r.dtype).name for r in jax.tree_util.tree_leaves(vjp)}
     d = _data((M, N), 23)
-    out_t, vjp_t = jax.vjp(
-        lambda x: tgmm(x, d, gs, num_groups=L, backend=qb, group_offset=OFFSET), x
-    )
+    out_t, vjp_t = jax.vjp(lambda x: qb.tgmm(x, d, gs, num_groups=L, group_offset=OFFSET), x)
     _close(
         out_t,
         ref.tgmm_fp8_reference(*_q(x, 0), *_q(d, 0), SIZES, num_groups=L, group_offset=OFFSET),

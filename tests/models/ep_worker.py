@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 from moetext import config
 from moetext import data as data_lib
 from moetext.config.schema import KernelsConfig, MoEConfig
-from moetext.models.moe import MoEBlock, ep
+from moetext.models.moe import MoEBlock, ep, gmm_from_config
 from moetext.sharding import logical
 from moetext.sharding.rules import load_preset
 from moetext.train import loop
@@ -59,7 +59,7 @@ def block_graphdef(kernels: KernelsConfig) -> nnx.GraphDef[Any]:
     """The MoE block's graph for `kernels`; every variant has the same params (seed 0)."""
     block = MoEBlock(
         CFG,
-        kernels,
+        gmm_from_config(kernels),
         emb_dim=32,
         init_std=0.3,
         param_dtype=F32,
@@ -88,7 +88,7 @@ class Block:
     def __init__(self) -> None:
         block = MoEBlock(
             CFG,
-            KernelsConfig(),
+            gmm_from_config(KernelsConfig()),
             emb_dim=32,
             init_std=0.3,
             param_dtype=F32,
@@ -165,7 +165,8 @@ def check_qag(block: Block, ref: Named) -> dict[str, Any]:
     def fp8(qag: bool) -> nnx.GraphDef[Any]:
         return block_graphdef(
             KernelsConfig(
-                quantization="fp8_blockwise", fp8_block_size=32, fp8_weight_block="1x32", qag=qag
+                quantization="fp8_blockwise",
+                recipe={"block_size": 32, "weight_block": "1x32", "qag": qag},
             )
         )
 
@@ -264,8 +265,8 @@ def indivisible_error(block: Block) -> str | None:
 BASE = ["checkpoint.enabled=false", "train.progress_bar=false", "data.seq_len=16"]
 FP8 = [
     "kernels.quantization=fp8_blockwise",
-    "kernels.fp8_block_size=32",
-    "kernels.fp8_weight_block=1x32",
+    "kernels.recipe.block_size=32",
+    "kernels.recipe.weight_block=1x32",
 ]
 TRAIN = {
     "single": ["sharding.preset=fsdp", "sharding.mesh.fsdp=1"],
@@ -275,7 +276,7 @@ TRAIN = {
     # FP8 with and without QAG (the config switch end to end; fsdp=8 splits D=64 into
     # 8-column shards of 32-wide blocks).
     "fp8": ["sharding.preset=fsdp", *FP8],
-    "fp8_qag": ["sharding.preset=fsdp", *FP8, "kernels.qag=true"],
+    "fp8_qag": ["sharding.preset=fsdp", *FP8, "kernels.recipe.qag=true"],
 }
 
 

@@ -104,7 +104,7 @@ def test_ragged_exchange_compiles_for_tpu():
 
     from moetext.aot import tpu_devices
     from moetext.config.schema import KernelsConfig, MoEConfig
-    from moetext.models.moe import MoEBlock, ep
+    from moetext.models.moe import MoEBlock, ep, gmm_from_config
     from moetext.sharding import logical
     from moetext.sharding.rules import load_preset
 
@@ -115,7 +115,7 @@ def test_ragged_exchange_compiles_for_tpu():
     block = nnx.eval_shape(
         lambda: MoEBlock(
             cfg,
-            KernelsConfig(gmm_backend="pallas_tpu"),
+            gmm_from_config(KernelsConfig(gmm_backend="pallas_tpu")),
             emb_dim=128,
             init_std=0.02,
             param_dtype=jnp.float32,
@@ -171,8 +171,8 @@ def test_qag_block_matches_gathering_then_quantizing(results, name):
 
 
 def test_qag_config_switch_keeps_the_train_loss(results):
-    # kernels.qag=true end to end through the trainer (fsdp=8): the forward loss is bitwise the
-    # FP8 loss without QAG, and the FP8 loss stays near the bf16 one.
+    # kernels.recipe.qag=true end to end through the trainer (fsdp=8): the forward loss is
+    # bitwise the FP8 loss without QAG, and the FP8 loss stays near the bf16 one.
     fp8, qag = results["train"]["fp8"], results["train"]["fp8_qag"]
     assert qag["loss"] == fp8["loss"], (qag["loss"], fp8["loss"])
     ref = results["train"]["single"]["loss"]

@@ -145,6 +145,16 @@ def _set_dotted(raw: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+# Keys that moved (old dotted key -> new one): loading the old one is an error naming the new.
+MOVED_KEYS = {
+    # The FP8 block-wise recipe's options moved into the recipe section (kernels/quant/).
+    "kernels.fp8_block_size": "kernels.recipe.block_size",
+    "kernels.fp8_weight_block": "kernels.recipe.weight_block",
+    "kernels.fp8_bwd_quantize": "kernels.recipe.bwd_quantize",
+    "kernels.qag": "kernels.recipe.qag",
+}
+
+
 # --- typed decoding --------------------------------------------------------------------------
 
 
@@ -159,6 +169,12 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     kwargs = {}
     for key, value in raw.items():
         if key not in names:
+            if prefix + str(key) in MOVED_KEYS:
+                new = MOVED_KEYS[prefix + str(key)]
+                raise ConfigError(
+                    f"config key {prefix + str(key)!r} has moved to {new!r}; write it there "
+                    f"({new}=... on the command line)"
+                )
             near = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
             hint = f"; did you mean {prefix + near[0]!r}?" if near else ""
             raise ConfigError(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from moetext.errors import ConfigError
 
@@ -128,16 +128,14 @@ class KernelsConfig:
     """Verify at run time that group sizes are non-negative and sum to at most M (debug)."""
     tiling: tuple[int, int, int] | None = None
     """Fixed (tm, tk, tn) tiles for tiled backends; None uses each backend's defaults."""
-    quantization: Literal["none", "fp8_blockwise"] = "none"
-    """fp8_blockwise wraps the gmm backend in QuantizedGmm (block-wise e4m3, fwd and bwd)."""
-    fp8_block_size: int = 128
-    """FP8 only: elements per scale block along the contraction axis."""
-    fp8_weight_block: str = "1x128"
-    """FP8 only: weight scale blocks, "1x<block>" (per row run) or "<block>x<block>" (tiles)."""
-    fp8_bwd_quantize: bool | Literal["auto"] = "auto"
-    """FP8 only: quantize the output gradient; auto = only where a native FP8 kernel exists."""
-    qag: bool = False
-    """FP8 only: quantized all-gather of sharded expert weights (FP8 on the wire, not bf16)."""
+    quantization: str = "none"
+    """Quantization recipe around the gmm backend (`moetext.kernels.available_recipes()`): none,
+    fp8_blockwise (1x128 block scales, FP8 fwd and bwd, Pallas FP8 kernels on TPU) or
+    fp8_tensorwise (one scale per tensor and expert weight, any backend's own gmm)."""
+    recipe: dict[str, Any] = field(default_factory=dict)
+    """Options of the quantization recipe, e.g. {block_size: 128, weight_block: 128x128,
+    bwd_quantize: auto, qag: true} for fp8_blockwise (docs/kernels.md lists each recipe's);
+    an unknown option fails at model build, naming the nearest valid one."""
     fuse_gate_up: bool | Literal["auto"] = "auto"
     """Run the experts' gate and up projections as one gmm on [w_gate | w_up]: xs is quantized
     and kept once (FP8 residuals), but the FSDP step holds one [E, D, 2F] weight gradient
@@ -145,6 +143,14 @@ class KernelsConfig:
     grad_reduce_dtype: Literal["param", "bfloat16"] = "param"
     """dtype of the reduce-scatter of sharded expert-weight gradients: param (the weights'
     dtype, f32 by default) or bfloat16 (half the bytes and the full-size gradient buffer)."""
+
+    def __post_init__(self) -> None:
+        if self.recipe and self.quantization == "none":
+            raise ConfigError(
+                f"kernels.recipe sets {', '.join(sorted(self.recipe))} but "
+                f"kernels.quantization is 'none': name the recipe these options belong to, "
+                f"e.g. kernels.quantization=fp8_blockwise"
+            )
 
 
 @dataclass(frozen=True)

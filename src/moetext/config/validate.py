@@ -19,11 +19,6 @@ def validate(cfg: Config) -> None:
             f"kernels.quantization={k.quantization!r} needs moe.dispatch='dropless' (the grouped "
             f"matmuls it quantizes); moe.dispatch={moe.dispatch!r} runs plain einsums"
         )
-    if k.qag and k.quantization != "fp8_blockwise":
-        raise ConfigError(
-            f"kernels.qag=true all-gathers FP8 expert weights, so it needs "
-            f"kernels.quantization='fp8_blockwise', got {k.quantization!r}"
-        )
     if cfg.data.eval_batches < 1 and cfg.train.eval_every:
         raise ConfigError(
             f"train.eval_every={cfg.train.eval_every} needs data.eval_batches >= 1, "

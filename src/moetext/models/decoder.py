@@ -16,12 +16,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moetext.config.schema import KernelsConfig, ModelConfig, MoEConfig
+from moetext.kernels.gmm import Gmm
 from moetext.models.layers.attention import Attention
 from moetext.models.layers.mlp import SwiGLU
 from moetext.models.layers.norms import RMSNorm
 from moetext.models.layers.params import as_dtype, make_param, normal
 from moetext.models.layers.rope import rope_cos_sin
 from moetext.models.moe.block import AUX_KEYS, LOAD_KEY, MoEBlock, zero_aux
+from moetext.models.moe.experts import gmm_from_config
 from moetext.sharding.logical import constrain
 
 ACT_NAMES = ("batch", "length", "embed")
@@ -50,13 +52,15 @@ def segments(pattern: Sequence[bool]) -> tuple[tuple[bool, int], ...]:
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h)); returns (out, aux)."""
+    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h)); returns (out, aux).
+
+    gmm: the grouped matmul of the MoE block (unused by a dense layer)."""
 
     def __init__(
         self,
         cfg: ModelConfig,
         moe_cfg: MoEConfig,
-        kernels_cfg: KernelsConfig,
+        gmm: Gmm,
         *,
         use_moe: bool,
         rngs: nnx.Rngs,
@@ -69,7 +73,7 @@ class DecoderLayer(nnx.Module):
         if self.use_moe:
             self.mlp: MoEBlock | SwiGLU = MoEBlock(
                 moe_cfg,
-                kernels_cfg,
+                gmm,
                 emb_dim=cfg.emb_dim,
                 init_std=cfg.init_std,
                 param_dtype=pdt,
@@ -145,6 +149,7 @@ class Decoder(nnx.Module):
             )
         pdt, self.dtype = as_dtype(cfg.param_dtype), as_dtype(cfg.dtype)
         self.cfg = cfg
+        gmm = gmm_from_config(kernels_cfg)  # built once, shared by every MoE layer
         self.num_moe_layers = sum(bool(m) for m in moe_pattern)
         self.segments = segments(moe_pattern)
         init = normal(cfg.init_std)
@@ -156,7 +161,7 @@ class Decoder(nnx.Module):
 
         def make_layer(use_moe, key):
             r = nnx.Rngs(params=key)
-            return DecoderLayer(cfg, moe_cfg, kernels_cfg, use_moe=use_moe, rngs=r)
+            return DecoderLayer(cfg, moe_cfg, gmm, use_moe=use_moe, rngs=r)
 
         if cfg.scan_layers:
             stacks, start = [], 0

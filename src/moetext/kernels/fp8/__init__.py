@@ -1,8 +1,10 @@
-"""FP8 block-wise quantization and FP8 grouped matmuls, composable with any gmm backend.
+"""FP8 numerics: block-wise and per-tensor quantization, FP8 Pallas grouped matmuls, QAG.
 
-q, s = quantize(x)                                   # 1 x 128 blocks along the last axis
-backend = QuantizedGmm(get_backend("auto"), Fp8Recipe())
-out = gmm(lhs, rhs, group_sizes, backend=backend)    # FP8 forward and backward
+    q, s = quantize(x)                                   # 1 x 128 blocks along the last axis
+    q, s = quantize_tensorwise(x)                        # one scale for the tensor
+
+The recipes that run a gmm on FP8 operands around any backend are in `moetext.kernels.quant`
+(fp8_blockwise, fp8_tensorwise).
 """
 
 from moetext.kernels.fp8.pallas_fp8 import gmm_fp8
@@ -14,21 +16,19 @@ from moetext.kernels.fp8.quantize import (
     dequantize_tiles,
     dual_quantize,
     quantize,
+    quantize_tensorwise,
     quantize_tiles,
 )
-from moetext.kernels.fp8.quantized import QuantizedGmm
-from moetext.kernels.fp8.recipe import Fp8Recipe
 
 __all__ = [
     "DualQuantized",
-    "Fp8Recipe",
     "Quantized",
-    "QuantizedGmm",
     "dequantize",
     "dequantize_tiles",
     "dual_quantize",
     "gmm_fp8",
     "quantize",
+    "quantize_tensorwise",
     "quantize_tiles",
     "tgmm_fp8",
 ]

@@ -1,4 +1,4 @@
-"""Block-wise symmetric absmax FP8 quantization: quantize, dequantize, dual_quantize.
+"""Symmetric absmax FP8 quantization: block-wise (quantize, dual_quantize), per tensor.
 
 Legend: n the length of the quantized axis, bs the block size, nb = cdiv(n, bs) blocks.
 
@@ -18,11 +18,12 @@ Conventions (docs/kernels.md, "FP8"):
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from moetext.kernels.fp8.quantize_pallas import quantize_minor
 from moetext.kernels.pallas_common import cdiv as cdiv  # re-exported: qag imports it from here
@@ -121,6 +122,26 @@ def quantize(
     return jax.lax.slice_in_dim(q, 0, n, axis=axis), scale
 
 
+def quantize_tensorwise(
+    x: jax.Array, *, axes: tuple[int, ...] | None = None, dtype: DTypeLike = E4M3
+) -> tuple[jax.Array, jax.Array]:
+    """(qvalue, scale): absmax FP8 quantization with one scale per slice over `axes`.
+
+    axes None: one scale for the whole tensor. scale is float32 with x's rank, size 1 along
+    `axes` (so `qvalue * scale` broadcasts); qvalue has x's shape and `dtype`. The conventions of
+    `quantize` hold with the slice as the block: an all-zero slice gets scale 1, tiny ones the
+    smallest normal float32, and an inf or NaN poisons its whole slice.
+    """
+    _check_args(x, -1, 1, dtype)
+    axes = tuple(range(x.ndim)) if axes is None else tuple(sorted(a % x.ndim for a in axes))
+    scale = _scale_from_amax(_amax_keepdims(x, axes), dtype)
+    return _to_fp8(x, scale, dtype), scale
+
+
+def _amax_keepdims(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    return jnp.max(jnp.abs(x), axis=axes, keepdims=True).astype(jnp.float32)
+
+
 def expand_scale(scale, n: int, *, axis: int = -1, block_size: int = 128):
     """Per-block scales repeated to per-element along `axis`, cut to length n."""
     s = jnp.repeat(scale, int(block_size), axis=axis)
@@ -185,13 +206,13 @@ class Quantized:
     @classmethod
     def of(
         cls,
-        x,
+        x: jax.Array,
         *,
         axis: int | None,
         block_size: int = 128,
-        dtype=E4M3,
-        impl="auto",
-        interpret=None,
+        dtype: DTypeLike = E4M3,
+        impl: str = "auto",
+        interpret: Any = None,
     ) -> Quantized:
         if axis is None:
             q, s = quantize_tiles(x, block_size=block_size, dtype=dtype)
@@ -201,7 +222,7 @@ class Quantized:
         )
         return cls(q, s, axis % x.ndim, int(block_size))
 
-    def dequantize(self, dtype=jnp.bfloat16):
+    def dequantize(self, dtype: DTypeLike = jnp.bfloat16) -> jax.Array:
         if self.axis is None:
             return dequantize_tiles(self.value, self.scale, block_size=self.block_size, dtype=dtype)
         return dequantize(

@@ -44,6 +44,20 @@ def quantize_reference(x, *, axis=-1, block_size=128, dtype=ml_dtypes.float8_e4m
     return np.moveaxis(q, -1, axis), np.moveaxis(scale, -1, axis)
 
 
+def quantize_tensorwise_reference(x, *, axes=None, dtype=ml_dtypes.float8_e4m3fn):
+    """(qvalue as float64, scale as float32 with x's rank): one scale per slice over axes
+    (None: the whole tensor), quantized like quantize_reference."""
+    x = np.asarray(x, np.float64)
+    fmax = float(ml_dtypes.finfo(_fp8(dtype)).max)
+    axes = tuple(range(x.ndim)) if axes is None else tuple(a % x.ndim for a in axes)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        amax = np.max(np.abs(x), axis=axes, keepdims=True)
+        scale = amax.astype(np.float32) * np.float32(1 / fmax)
+        scale = np.where(amax == 0, np.float32(1), np.maximum(scale, _TINY)).astype(np.float32)
+        q = np.clip(x.astype(np.float32) * (np.float32(1) / scale), -fmax, fmax)
+    return q.astype(_fp8(dtype)).astype(np.float64), scale
+
+
 def quantize_tiles_reference(x, *, block_size=128, dtype=ml_dtypes.float8_e4m3fn):
     """(qvalue as float64, scale as float32) for block_size x block_size tiles of the last two
     axes: tile scales come from the tile amax; values are then quantized like quantize_reference

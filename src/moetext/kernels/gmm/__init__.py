@@ -1,24 +1,32 @@
 """Grouped matmul (GMM) and its transposed twin (TGMM) behind one backend protocol.
 
-    out = gmm(lhs, rhs, group_sizes, backend="auto")      # [M,K] x [G,K,N] -> [M,N]
-    dw  = tgmm(lhs, dout, group_sizes)                     # [M,K] x [M,N]   -> [G,K,N]
+    op  = Gmm(get_backend("auto"))                    # backend + recipe + shared options
+    out = op(lhs, rhs, group_sizes)                   # [M,K] x [G,K,N] -> [M,N]
+    dw  = op.tgmm(lhs, dout, group_sizes)             # [M,K] x [M,N]   -> [G,K,N]
+    out = gmm(lhs, rhs, group_sizes, backend="auto")  # the same, one call
 
-Importing this package registers every backend whose dependencies import: reference,
-ragged_dot, blocked always; tokamax when installed; pallas_tpu when its module is present.
+Two declared seams: `GmmBackend` (backend.py: forward math, optional fused kernels for scaled
+operands) and `Recipe` (recipe.py: quantization and autodiff around any backend; the quantized
+recipes are in `moetext.kernels.quant`). Importing this package registers every backend whose
+dependencies import: reference, ragged_dot, blocked always; tokamax when installed; pallas_tpu
+when its module is present.
 """
 
 import importlib as _importlib
 
 from moetext.kernels.gmm import blocked, ragged_dot, reference  # noqa: F401  (register)
-from moetext.kernels.gmm.api import gmm, local_row_mask, tgmm
+from moetext.kernels.gmm.api import Gmm, gmm, local_row_mask, tgmm
 from moetext.kernels.gmm.backend import (
     GmmBackend,
+    ScaledKernels,
+    Tiling,
     auto_backend_name,
     available_backends,
     get_backend,
     register,
 )
 from moetext.kernels.gmm.gather import Gather, all_gather_dims, psum_scatter_dims
+from moetext.kernels.gmm.recipe import NoQuantization, Recipe
 from moetext.kernels.gmm.reference import gmm_reference, tgmm_reference
 
 for _optional in ("tokamax_backend", "pallas_tpu"):
@@ -30,7 +38,12 @@ for _optional in ("tokamax_backend", "pallas_tpu"):
 
 __all__ = [
     "Gather",
+    "Gmm",
     "GmmBackend",
+    "NoQuantization",
+    "Recipe",
+    "ScaledKernels",
+    "Tiling",
     "all_gather_dims",
     "auto_backend_name",
     "available_backends",

@@ -1,282 +1,278 @@
-"""Public grouped matmul: `gmm` and `tgmm`, differentiable through one custom_vjp.
+"""Public grouped matmul: the built `Gmm` object, and `gmm` / `tgmm` as plain functions.
 
 Legend: M rows (tokens sorted by group), K contraction, N outputs, G groups (G_local on an
 expert-parallel shard, serving groups [group_offset, group_offset + G_local)).
 
-The custom_vjp is written once over the backend protocol:
-  dlhs = gmm(dout, rhs, transpose_rhs flipped), drhs = tgmm(lhs, dout).
-A backend that must own its autodiff (fp8.QuantizedGmm keeps FP8 residuals, not the inputs)
-defines `differentiable_gmm` / `differentiable_tgmm` with the protocol's gmm / tgmm signature;
-gmm() / tgmm() then call those instead of wrapping the backend in this custom_vjp.
+    op = Gmm(get_backend("auto"))                      # or kernels.build_gmm(...) from names
+    op = Gmm(get_backend("auto"), Fp8Blockwise())      # a quantization recipe around it
+    out = op(lhs, rhs, group_sizes)                    # [M,K] x [G,K,N] -> [M,N]
+    dw  = op.tgmm(lhs, dout, group_sizes)              # [M,K] x [M,N]   -> [G,K,N]
+
+A `Gmm` is what a layer receives: the backend, the recipe, and the options every call of a
+model shares (tiling, checked, grad_reduce_dtype, fuse_gate_up). It checks the inputs, handles
+`rhs_gather` and `existing_out`, and hands the math to `recipe.gmm(backend, ...)`, which owns
+the autodiff (`recipe.NoQuantization`: the custom_vjp over the backend protocol).
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike, DTypeLike
 
-from moetext.kernels.gmm.backend import GmmBackend, Tiling, get_backend
-from moetext.kernels.gmm.gather import Gather, check_gather, gather_weight, gathered_shape
+from moetext.kernels.gmm.backend import GmmBackend, Tiling, TilingArg, get_backend
+from moetext.kernels.gmm.gather import Gather, check_gather, gathered_shape
+from moetext.kernels.gmm.recipe import NoQuantization, Recipe
 
-TilingArg = Tiling | Callable[..., Tiling] | None
+
+@dataclasses.dataclass(frozen=True)
+class Gmm:
+    """One configured grouped matmul; hashable, so layers keep it as a static attribute.
+
+    backend: the GmmBackend that multiplies. recipe: how operands and gradients are quantized
+    around it (NoQuantization: not at all). tiling: (tm, tk, tn), a callable (m, k, n, dtype,
+    chip) -> tiles, or None for each backend's default. checked: a runtime check that group
+    sizes are non-negative and sum to at most M (`jax.debug.callback`; a ValueError eagerly, a
+    JaxRuntimeError under jit). grad_reduce_dtype: the dtype in which gradients of sharded
+    weights (`rhs_gather`) are reduce-scattered; None: the weight slice's own dtype.
+    fuse_gate_up: a hint to gated-MLP callers (models/moe/experts.py: swiglu_mlp) to run gate
+    and up as one gmm on [w_gate | w_up].
+    """
+
+    backend: GmmBackend
+    recipe: Recipe = NoQuantization()
+    tiling: TilingArg = None
+    checked: bool = False
+    grad_reduce_dtype: str | None = None
+    fuse_gate_up: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, GmmBackend):
+            raise ValueError(
+                f"Gmm: backend must be a GmmBackend (kernels/gmm/backend.py), got "
+                f"{type(self.backend).__name__}; get_backend(name) makes one from a name"
+            )
+        if not isinstance(self.recipe, Recipe):
+            raise ValueError(
+                f"Gmm: recipe must be a Recipe (kernels/gmm/recipe.py), got "
+                f"{type(self.recipe).__name__}"
+            )
+        object.__setattr__(self, "tiling", _resolve(self.tiling))
+        if self.grad_reduce_dtype is not None:
+            object.__setattr__(self, "grad_reduce_dtype", jnp.dtype(self.grad_reduce_dtype).name)
+
+    @property
+    def name(self) -> str:
+        """The backend's name, inside the recipe's when it quantizes: fp8_blockwise[blocked]."""
+        if not self.recipe.quantizes:
+            return self.backend.name
+        return f"{self.recipe.name}[{self.backend.name}]"
+
+    def __call__(
+        self,
+        lhs: ArrayLike,
+        rhs: ArrayLike,
+        group_sizes: ArrayLike,
+        *,
+        preferred_element_type: DTypeLike | None = None,
+        transpose_rhs: bool = False,
+        group_offset: ArrayLike | None = None,
+        existing_out: jax.Array | None = None,
+        rhs_gather: Gather | None = None,
+    ) -> jax.Array:
+        """out[rows of g] = lhs[rows of g] @ rhs[g - group_offset] for the local groups g.
+
+        lhs [M, K]; rhs [G_local, K, N] ([G_local, N, K] when transpose_rhs); group_sizes [G]
+        int. Rows of group g are the consecutive block after groups 0..g-1. Rows of non-local
+        groups and rows past sum(group_sizes) are zero, or taken from `existing_out` [M, N].
+        preferred_element_type (the output dtype) defaults to lhs.dtype.
+
+        rhs_gather (inside shard_map): rhs is this shard's slice of the weights, split along
+        the given (dim, mesh axes) pairs (kernels/gmm/gather.py). The recipe all-gathers it
+        (cast to lhs.dtype, or quantized: fp8 QAG) and reduce-scatters its gradient, returned
+        in rhs's dtype. Shapes above are the gathered ones.
+        """
+        lhs, rhs, sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
+        m, k = _check_2d("gmm", "lhs", lhs)
+        if rhs.ndim != 3:
+            raise ValueError(f"gmm: rhs must be [G, K, N] (rank 3), got shape {rhs.shape}")
+        gather = check_gather(rhs_gather, rhs.ndim)
+        shape = gathered_shape(rhs.shape, gather)
+        g_local = shape[0]
+        rk, n = (shape[2], shape[1]) if transpose_rhs else (shape[1], shape[2])
+        if rk != k:
+            layout = "[G, N, K] (transpose_rhs=True)" if transpose_rhs else "[G, K, N]"
+            gathered = f" (gathered from {rhs.shape} by {gather})" if gather else ""
+            raise ValueError(
+                f"gmm: contraction mismatch: lhs {lhs.shape} has K={k} but rhs {shape}{gathered} "
+                f"read as {layout} has K={rk}"
+            )
+        sizes, offset = _check_groups("gmm", sizes, g_local, group_offset)
+        if existing_out is not None and existing_out.shape != (m, n):
+            raise ValueError(f"gmm: existing_out must be {(m, n)}, got {existing_out.shape}")
+        if self.checked:
+            _runtime_check(sizes, m)
+        call: dict[str, Any] = dict(
+            preferred_element_type=jnp.dtype(preferred_element_type or lhs.dtype),
+            transpose_rhs=bool(transpose_rhs),
+            group_offset=offset,
+            tiling=self.tiling,
+        )
+        if gather:
+            reduce_dtype = (
+                None if self.grad_reduce_dtype is None else jnp.dtype(self.grad_reduce_dtype)
+            )
+            out = self.recipe.gathered_gmm(
+                self.backend,
+                lhs,
+                rhs,
+                sizes,
+                gather=gather,
+                grad_reduce_dtype=reduce_dtype,
+                **call,
+            )
+        else:
+            out = self.recipe.gmm(self.backend, lhs, rhs, sizes, **call)
+        if existing_out is None:
+            return out
+        mine = local_row_mask(sizes, offset, g_local, m)
+        return jnp.where(mine[:, None], out, existing_out.astype(out.dtype))
+
+    def tgmm(
+        self,
+        lhs: ArrayLike,
+        rhs: ArrayLike,
+        group_sizes: ArrayLike,
+        *,
+        num_groups: int | None = None,
+        preferred_element_type: DTypeLike | None = None,
+        group_offset: ArrayLike | None = None,
+    ) -> jax.Array:
+        """out[g] = lhs[rows of g].T @ rhs[rows of g]; lhs [M, K], rhs [M, N] -> [G_local, K, N].
+
+        num_groups (G_local) defaults to len(group_sizes); empty groups give zeros.
+        """
+        lhs, rhs, sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
+        m, _ = _check_2d("tgmm", "lhs", lhs)
+        m2, _ = _check_2d("tgmm", "rhs", rhs)
+        if m2 != m:
+            raise ValueError(f"tgmm: lhs {lhs.shape} and rhs {rhs.shape} must have the same rows M")
+        g_total = _group_count("tgmm", sizes)
+        num_local = g_total if num_groups is None else int(num_groups)
+        sizes, offset = _check_groups("tgmm", sizes, num_local, group_offset)
+        if self.checked:
+            _runtime_check(sizes, m)
+        return self.recipe.tgmm(
+            self.backend,
+            lhs,
+            rhs,
+            sizes,
+            num_groups=num_local,
+            preferred_element_type=jnp.dtype(preferred_element_type or lhs.dtype),
+            group_offset=offset,
+            tiling=self.tiling,
+        )
+
+    def store_residual(self, x: jax.Array) -> Any:
+        """An activation kept for the backward outside a gmm, as the recipe keeps its own (FP8
+        values + scales under an FP8 recipe; x itself otherwise)."""
+        return self.recipe.store_residual(self.backend, x)
+
+    def load_residual(self, stored: Any, dtype: DTypeLike) -> jax.Array:
+        return self.recipe.load_residual(stored, jnp.dtype(dtype))
 
 
 def gmm(
-    lhs: jax.Array,
-    rhs: jax.Array,
-    group_sizes: jax.Array,
+    lhs: ArrayLike,
+    rhs: ArrayLike,
+    group_sizes: ArrayLike,
     *,
     backend: str | GmmBackend = "auto",
-    preferred_element_type: jnp.dtype | None = None,
+    preferred_element_type: DTypeLike | None = None,
     transpose_rhs: bool = False,
-    group_offset: jax.Array | int | None = None,
+    group_offset: ArrayLike | None = None,
     tiling: TilingArg = None,
     existing_out: jax.Array | None = None,
     checked: bool = False,
     rhs_gather: Gather | None = None,
-    grad_reduce_dtype: jnp.dtype | None = None,
+    grad_reduce_dtype: DTypeLike | None = None,
 ) -> jax.Array:
-    """out[rows of g] = lhs[rows of g] @ rhs[g - group_offset] for the local groups g.
-
-    lhs [M, K]; rhs [G_local, K, N] ([G_local, N, K] when transpose_rhs); group_sizes [G] int.
-    Rows of group g are the consecutive block after groups 0..g-1. Rows of non-local groups and
-    rows past sum(group_sizes) are zero, or taken from `existing_out` [M, N] when given.
-    preferred_element_type defaults to lhs.dtype.
-
-    rhs_gather (inside shard_map): rhs is this shard's slice of the weights, split along the
-    given (dim, mesh axes) pairs (kernels/gmm/gather.py). It is cast to lhs.dtype and
-    all-gathered (a backend may gather it its own way: fp8 QAG), and its gradient is
-    reduce-scattered back to the slice, in `grad_reduce_dtype` (default: rhs's own dtype), and
-    returned in rhs's dtype. Shapes above are the gathered ones.
-    """
-    be = get_backend(backend)
-    lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
-    m, k = _check_2d("gmm", "lhs", lhs)
-    if rhs.ndim != 3:
-        raise ValueError(f"gmm: rhs must be [G, K, N] (rank 3), got shape {rhs.shape}")
-    rhs_gather = check_gather(rhs_gather, rhs.ndim)
-    shape = gathered_shape(rhs.shape, rhs_gather)
-    g_local = shape[0]
-    rk, n = (shape[2], shape[1]) if transpose_rhs else (shape[1], shape[2])
-    if rk != k:
-        layout = "[G, N, K] (transpose_rhs=True)" if transpose_rhs else "[G, K, N]"
-        gathered = f" (gathered from {rhs.shape} by {rhs_gather})" if rhs_gather else ""
-        raise ValueError(
-            f"gmm: contraction mismatch: lhs {lhs.shape} has K={k} but rhs {shape}{gathered} "
-            f"read as {layout} has K={rk}"
-        )
-    group_sizes, group_offset = _check_groups("gmm", group_sizes, g_local, group_offset)
-    if existing_out is not None and existing_out.shape != (m, n):
-        raise ValueError(f"gmm: existing_out must be {(m, n)}, got {existing_out.shape}")
-    if checked:
-        _runtime_check(group_sizes, m)
-    pet = jnp.dtype(preferred_element_type or lhs.dtype)
-    tiling = _resolve(tiling)
-    kw = dict(
-        preferred_element_type=pet,
-        transpose_rhs=transpose_rhs,
-        group_offset=group_offset,
-        tiling=tiling,
-    )
-    own_gather = getattr(be, "differentiable_gathered_gmm", None)  # fp8 QAG
-    if rhs_gather and own_gather is not None:
-        return _existing(
-            own_gather(
-                lhs,
-                rhs,
-                group_sizes,
-                gather=rhs_gather,
-                grad_reduce_dtype=grad_reduce_dtype,
-                **kw,
-            ),
-            existing_out,
-            group_sizes,
-            group_offset,
-            g_local,
-        )
-    if rhs_gather:
-        rhs = gather_weight(rhs, rhs_gather, lhs.dtype, grad_reduce_dtype)
-    own = getattr(be, "differentiable_gmm", None)  # a backend that owns its autodiff (FP8)
-    if own is not None:
-        out = own(lhs, rhs, group_sizes, **kw)
-    else:
-        out = _gmm(be, pet, transpose_rhs, tiling, lhs, rhs, group_sizes, group_offset)
-    return _existing(out, existing_out, group_sizes, group_offset, g_local)
-
-
-def _existing(out, existing_out, group_sizes, group_offset, g_local: int):
-    if existing_out is None:
-        return out
-    mine = local_row_mask(group_sizes, group_offset, g_local, out.shape[0])
-    return jnp.where(mine[:, None], out, existing_out.astype(out.dtype))
-
-
-def tgmm(
-    lhs: jax.Array,
-    rhs: jax.Array,
-    group_sizes: jax.Array,
-    *,
-    num_groups: int | None = None,
-    backend: str | GmmBackend = "auto",
-    preferred_element_type: jnp.dtype | None = None,
-    group_offset: jax.Array | int | None = None,
-    tiling: TilingArg = None,
-    checked: bool = False,
-) -> jax.Array:
-    """out[g] = lhs[rows of g].T @ rhs[rows of g]; lhs [M, K], rhs [M, N] -> [G_local, K, N].
-
-    num_groups (G_local) defaults to len(group_sizes); empty groups give zeros.
-    """
-    be = get_backend(backend)
-    lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
-    m, k = _check_2d("tgmm", "lhs", lhs)
-    m2, n = _check_2d("tgmm", "rhs", rhs)
-    if m2 != m:
-        raise ValueError(f"tgmm: lhs {lhs.shape} and rhs {rhs.shape} must have the same rows M")
-    g_total = _group_count("tgmm", group_sizes)
-    num_groups = g_total if num_groups is None else int(num_groups)
-    group_sizes, group_offset = _check_groups("tgmm", group_sizes, num_groups, group_offset)
-    if checked:
-        _runtime_check(group_sizes, m)
-    pet = jnp.dtype(preferred_element_type or lhs.dtype)
-    tiling = _resolve(tiling)
-    own = getattr(be, "differentiable_tgmm", None)
-    if own is not None:
-        return own(
-            lhs,
-            rhs,
-            group_sizes,
-            num_groups=num_groups,
-            preferred_element_type=pet,
-            group_offset=group_offset,
-            tiling=tiling,
-        )
-    return _tgmm(be, pet, num_groups, tiling, lhs, rhs, group_sizes, group_offset)
-
-
-def local_row_mask(group_sizes, group_offset, num_local: int, m: int) -> jax.Array:
-    """[M] bool: rows that belong to groups [group_offset, group_offset + num_local)."""
-    ends = jnp.cumsum(group_sizes)
-    starts = ends - group_sizes
-    lo = starts[group_offset]
-    hi = ends[jnp.minimum(group_offset + num_local, group_sizes.shape[0]) - 1]
-    rows = jnp.arange(m)
-    return (rows >= lo) & (rows < hi)
-
-
-# --- autodiff ---------------------------------------------------------------------------------
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _gmm(be, pet, transpose_rhs, tiling, lhs, rhs, group_sizes, group_offset):
-    return be.gmm(
+    """One unquantized grouped matmul: `Gmm(get_backend(backend), tiling=tiling,
+    checked=checked, grad_reduce_dtype=grad_reduce_dtype)(lhs, rhs, group_sizes, ...)`; the
+    arguments are `Gmm`'s and `Gmm.__call__`'s."""
+    gd = None if grad_reduce_dtype is None else jnp.dtype(grad_reduce_dtype).name
+    op = Gmm(get_backend(backend), tiling=tiling, checked=checked, grad_reduce_dtype=gd)
+    return op(
         lhs,
         rhs,
         group_sizes,
-        preferred_element_type=pet,
+        preferred_element_type=preferred_element_type,
         transpose_rhs=transpose_rhs,
         group_offset=group_offset,
-        tiling=tiling,
+        existing_out=existing_out,
+        rhs_gather=rhs_gather,
     )
 
 
-def _gmm_fwd(be, pet, transpose_rhs, tiling, lhs, rhs, group_sizes, group_offset):
-    out = _gmm(be, pet, transpose_rhs, tiling, lhs, rhs, group_sizes, group_offset)
-    return out, (lhs, rhs, group_sizes, group_offset)
-
-
-def _gmm_bwd(be, pet, transpose_rhs, tiling, res, dout):
-    lhs, rhs, group_sizes, group_offset = res
-    dlhs = be.gmm(
-        dout,
-        rhs,
-        group_sizes,
-        preferred_element_type=lhs.dtype,
-        transpose_rhs=not transpose_rhs,
-        group_offset=group_offset,
-        tiling=tiling,
-    )
-    a, b = (dout, lhs) if transpose_rhs else (lhs, dout)
-    drhs = be.tgmm(
-        a,
-        b,
-        group_sizes,
-        num_groups=rhs.shape[0],
-        preferred_element_type=rhs.dtype,
-        group_offset=group_offset,
-        tiling=tiling,
-    )
-    return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype), None, None
-
-
-_gmm.defvjp(_gmm_fwd, _gmm_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _tgmm(be, pet, num_groups, tiling, lhs, rhs, group_sizes, group_offset):
-    return be.tgmm(
+def tgmm(
+    lhs: ArrayLike,
+    rhs: ArrayLike,
+    group_sizes: ArrayLike,
+    *,
+    num_groups: int | None = None,
+    backend: str | GmmBackend = "auto",
+    preferred_element_type: DTypeLike | None = None,
+    group_offset: ArrayLike | None = None,
+    tiling: TilingArg = None,
+    checked: bool = False,
+) -> jax.Array:
+    """One unquantized transposed grouped matmul: `Gmm(get_backend(backend), tiling=tiling,
+    checked=checked).tgmm(lhs, rhs, group_sizes, ...)`."""
+    op = Gmm(get_backend(backend), tiling=tiling, checked=checked)
+    return op.tgmm(
         lhs,
         rhs,
         group_sizes,
         num_groups=num_groups,
-        preferred_element_type=pet,
+        preferred_element_type=preferred_element_type,
         group_offset=group_offset,
-        tiling=tiling,
     )
 
 
-def _tgmm_fwd(be, pet, num_groups, tiling, lhs, rhs, group_sizes, group_offset):
-    out = _tgmm(be, pet, num_groups, tiling, lhs, rhs, group_sizes, group_offset)
-    return out, (lhs, rhs, group_sizes, group_offset)
-
-
-def _tgmm_bwd(be, pet, num_groups, tiling, res, dout):
-    # out[g] = lhs_g.T @ rhs_g  =>  dlhs_g = rhs_g @ dout[g].T,  drhs_g = lhs_g @ dout[g]
-    lhs, rhs, group_sizes, group_offset = res
-    dlhs = be.gmm(
-        rhs,
-        dout,
-        group_sizes,
-        preferred_element_type=lhs.dtype,
-        transpose_rhs=True,
-        group_offset=group_offset,
-        tiling=tiling,
-    )
-    drhs = be.gmm(
-        lhs,
-        dout,
-        group_sizes,
-        preferred_element_type=rhs.dtype,
-        transpose_rhs=False,
-        group_offset=group_offset,
-        tiling=tiling,
-    )
-    return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype), None, None
-
-
-_tgmm.defvjp(_tgmm_fwd, _tgmm_bwd)
+def local_row_mask(
+    group_sizes: jax.Array, group_offset: ArrayLike, num_local: int, m: int
+) -> jax.Array:
+    """[M] bool: rows that belong to groups [group_offset, group_offset + num_local)."""
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    lo = starts[group_offset]
+    hi = ends[jnp.minimum(jnp.asarray(group_offset) + num_local, group_sizes.shape[0]) - 1]
+    rows = jnp.arange(m)
+    return (rows >= lo) & (rows < hi)
 
 
 # --- input checks -----------------------------------------------------------------------------
 
 
-def _check_2d(op: str, name: str, x) -> tuple[int, int]:
+def _check_2d(op: str, name: str, x: jax.Array) -> tuple[int, int]:
     if x.ndim != 2:
         raise ValueError(f"{op}: {name} must be rank 2, got shape {x.shape}")
-    return x.shape
+    return x.shape[0], x.shape[1]
 
 
-def _group_count(op: str, group_sizes) -> int:
+def _group_count(op: str, group_sizes: jax.Array) -> int:
     if group_sizes.ndim != 1:
         raise ValueError(f"{op}: group_sizes must be rank 1 [G], got shape {group_sizes.shape}")
-    return group_sizes.shape[0]
+    return int(group_sizes.shape[0])
 
 
-def _check_groups(op: str, group_sizes, num_local: int, group_offset):
+def _check_groups(
+    op: str, group_sizes: jax.Array, num_local: int, group_offset: ArrayLike | None
+) -> tuple[jax.Array, jax.Array]:
     g = _group_count(op, group_sizes)
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise ValueError(f"{op}: group_sizes must be integer, got dtype {group_sizes.dtype}")
@@ -286,26 +282,31 @@ def _check_groups(op: str, group_sizes, num_local: int, group_offset):
                 f"{op}: {num_local} groups in the weights but group_sizes has {g} entries "
                 f"(pass group_offset for an expert-parallel shard holding a subset)"
             )
-        group_offset = jnp.zeros((), jnp.int32)
+        offset = jnp.zeros((), jnp.int32)
     elif num_local > g:
         raise ValueError(f"{op}: {num_local} local groups exceed the {g} groups in group_sizes")
-    group_offset = jnp.asarray(group_offset, jnp.int32)
-    if group_offset.ndim != 0:
-        raise ValueError(f"{op}: group_offset must be a scalar, got shape {group_offset.shape}")
-    return group_sizes.astype(jnp.int32), group_offset
+    else:
+        offset = jnp.asarray(group_offset, jnp.int32)
+    if offset.ndim != 0:
+        raise ValueError(f"{op}: group_offset must be a scalar, got shape {offset.shape}")
+    return group_sizes.astype(jnp.int32), offset
 
 
-def _resolve(tiling: TilingArg):
+def _resolve(tiling: TilingArg) -> TilingArg:
     if tiling is None or callable(tiling):
         return tiling
-    tiles = tuple(int(t) for t in tiling)
+    try:
+        tiles = tuple(int(t) for t in tiling)
+    except (TypeError, ValueError):
+        tiles = ()
     if len(tiles) != 3 or min(tiles) <= 0:
         raise ValueError(f"tiling must be three positive ints (tm, tk, tn), got {tiling}")
-    return tiles
+    resolved: Tiling = (tiles[0], tiles[1], tiles[2])
+    return resolved
 
 
-def _runtime_check(group_sizes, m: int) -> None:
-    def check(gs):
+def _runtime_check(group_sizes: jax.Array, m: int) -> None:
+    def check(gs: Any) -> None:
         gs = np.asarray(gs)
         if (gs < 0).any() or gs.sum() > m:
             raise ValueError(

@@ -1,32 +1,49 @@
-"""The grouped-matmul backend protocol and its registry.
+"""The grouped-matmul backend protocol (`GmmBackend`) and its registry.
 
-Shapes: M rows of tokens sorted by group, K contraction, N output features, G groups.
-Adding a backend is adding a module that calls `register`; there are no boolean flags.
+Shapes: M rows of tokens sorted by group, K contraction, N output features, G groups (G_local
+on an expert-parallel shard). A backend implements the forward math of `gmm` and `tgmm`;
+autodiff, input checks and quantization live above it (`api.Gmm`, `recipe.Recipe`), written
+once for every backend. Adding a backend is adding a module that subclasses `GmmBackend` and
+calls `register`; there are no boolean flags.
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
+
+if TYPE_CHECKING:  # fp8 imports gmm (its Pallas kernels use gmm.tiling): no runtime import
+    from moetext.kernels.fp8.quantize import Quantized
 
 Tiling = tuple[int, int, int]
+# Per call: fixed (tm, tk, tn), a callable (m, k, n, dtype, chip) -> tiles (a TPU table), or None
+# for each backend's default.
+TilingArg = Tiling | Callable[..., Tiling] | None
 
 
-@runtime_checkable
-class GmmBackend(Protocol):
-    """What every grouped-matmul backend implements (forward math only; autodiff lives in api).
+class GmmBackend(abc.ABC):
+    """A grouped-matmul backend: forward `gmm` and `tgmm`, and optional hooks with defaults.
 
-    A backend that must own its autodiff (QuantizedGmm keeps FP8 residuals) may also define
-    `differentiable_gmm` / `differentiable_tgmm` with the same arguments; api calls those
-    instead of wrapping the forward in its generic custom_vjp.
+    Required: `name` (the registry name) and the two forward methods below. Shapes are static;
+    `group_sizes` and `group_offset` are traced. Rows outside the local groups come out zero.
+
+    Optional hook (the default is correct for every backend):
+      `scaled_kernels()`: fused kernels for block-scaled low-precision operands (FP8 values plus
+        float32 block scales). None, the default, makes a quantization recipe multiply the
+        dequantized operands with `gmm` / `tgmm` instead; pallas_tpu returns its FP8 kernels.
+
+    Backends are frozen dataclasses (or otherwise hashable by value): a backend is a static
+    argument of jit and custom_vjp, so two equal backends must hash equal.
     """
 
-    @property
-    def name(self) -> str: ...
+    name: ClassVar[str]
 
+    @abc.abstractmethod
     def gmm(
         self,
         lhs: jax.Array,  # [M, K]
@@ -36,10 +53,12 @@ class GmmBackend(Protocol):
         preferred_element_type: jnp.dtype,
         transpose_rhs: bool,
         group_offset: jax.Array,  # [] int32: rhs[i] serves group group_offset + i
-        tiling: Tiling | None,
-    ) -> jax.Array:  # [M, N]; rows outside the local groups (and past sum) are zero
-        ...
+        tiling: TilingArg,
+    ) -> jax.Array:
+        """[M, N]: rows of local group g = lhs rows @ rhs[g - group_offset]; other rows zero.
+        Accumulates in float32 at least; the output is `preferred_element_type`."""
 
+    @abc.abstractmethod
     def tgmm(
         self,
         lhs: jax.Array,  # [M, K]
@@ -49,8 +68,59 @@ class GmmBackend(Protocol):
         num_groups: int,  # G_local: groups group_offset .. group_offset + num_groups - 1
         preferred_element_type: jnp.dtype,
         group_offset: jax.Array,
-        tiling: Tiling | None,
-    ) -> jax.Array:  # [G_local, K, N]; zero for empty groups
+        tiling: TilingArg,
+    ) -> jax.Array:
+        """[G_local, K, N]: out[i] = lhs[rows of g].T @ rhs[rows of g], g = group_offset + i;
+        zero for empty groups."""
+
+    def scaled_kernels(self) -> ScaledKernels | None:
+        """This backend's fused kernels for block-scaled operands, or None (the default): a
+        recipe then dequantizes the operands and calls `gmm` / `tgmm`."""
+        return None
+
+
+class ScaledKernels(Protocol):
+    """Fused grouped matmuls on block-quantized operands (`GmmBackend.scaled_kernels`).
+
+    The operands are `fp8.Quantized` (values, float32 block scales, blocked axis, block size).
+    The kernels accumulate the exact products of the low-precision values in float32 and apply
+    each block's scales before adding it, so they compute exactly what multiplying the
+    dequantized operands in float32 computes, up to float32 summation order.
+    """
+
+    def quantize(
+        self, x: jax.Array, *, axis: int | None, block_size: int, dtype: DTypeLike
+    ) -> Quantized:
+        """`Quantized.of(x, ...)` the way these kernels want it fed (e.g. a Pallas quantize
+        kernel on TPU); bit-identical to the XLA quantization."""
+        ...
+
+    def gmm(
+        self,
+        lhs: Quantized,  # [M, K], blocks along K
+        rhs: Quantized,  # blocks along its contraction axis, or block_size^2 tiles
+        group_sizes: jax.Array,
+        *,
+        preferred_element_type: jnp.dtype,
+        transpose_rhs: bool,
+        group_offset: jax.Array,
+        tiling: TilingArg,
+    ) -> jax.Array:
+        """`GmmBackend.gmm` on the dequantized operands, fused."""
+        ...
+
+    def tgmm(
+        self,
+        lhs: Quantized,  # [M, K], blocks along M (the reduction axis)
+        rhs: Quantized,  # [M, N], blocks along M
+        group_sizes: jax.Array,
+        *,
+        num_groups: int,
+        preferred_element_type: jnp.dtype,
+        group_offset: jax.Array,
+        tiling: TilingArg,
+    ) -> jax.Array:
+        """`GmmBackend.tgmm` on the dequantized operands, fused."""
         ...
 
 

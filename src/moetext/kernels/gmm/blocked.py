@@ -22,10 +22,14 @@ compiled dot, which is why there are only five.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
-from moetext.kernels.gmm.backend import Tiling, register
+from moetext.kernels.gmm.backend import GmmBackend, Tiling, TilingArg, register
 from moetext.kernels.pallas_common import pow2_ceil
 
 _MAX_TM = 512  # larger full tiles gain nothing measurable on XLA:CPU and raise the waste bound
@@ -180,14 +184,23 @@ def blocked_tgmm(
     return lax.fori_loop(0, num_groups, group, jnp.zeros((num_groups, k, n), pet))
 
 
-class BlockedBackend:
+@dataclasses.dataclass(frozen=True)
+class BlockedBackend(GmmBackend):
     """Per-group row tiles over lax.dot_general; jit-able with traced group_sizes."""
 
-    name = "blocked"
+    name: ClassVar[str] = "blocked"
 
     def gmm(
-        self, lhs, rhs, group_sizes, *, preferred_element_type, transpose_rhs, group_offset, tiling
-    ):
+        self,
+        lhs: jax.Array,
+        rhs: jax.Array,
+        group_sizes: jax.Array,
+        *,
+        preferred_element_type: jnp.dtype,
+        transpose_rhs: bool,
+        group_offset: jax.Array,
+        tiling: TilingArg,
+    ) -> jax.Array:
         return blocked_gmm(
             lhs,
             rhs,
@@ -199,8 +212,16 @@ class BlockedBackend:
         )
 
     def tgmm(
-        self, lhs, rhs, group_sizes, *, num_groups, preferred_element_type, group_offset, tiling
-    ):
+        self,
+        lhs: jax.Array,
+        rhs: jax.Array,
+        group_sizes: jax.Array,
+        *,
+        num_groups: int,
+        preferred_element_type: jnp.dtype,
+        group_offset: jax.Array,
+        tiling: TilingArg,
+    ) -> jax.Array:
         return blocked_tgmm(
             lhs,
             rhs,

@@ -9,8 +9,8 @@ the bytes and the full-size gradient buffer the reduction needs, at bf16 summati
 
 The plain path (`gather_weight`) casts the slice to the compute dtype first, so the wire carries
 bf16 rather than f32 master weights, and reduce-scatters the gradient in the slice's own dtype
-(f32 master weights get an f32 reduction). fp8.QuantizedGmm with `Fp8Recipe(qag=True)` replaces
-it with a quantized all-gather (kernels/fp8/qag.py).
+(f32 master weights get an f32 reduction). This is `Recipe.gathered_gmm`'s default; the
+fp8_blockwise recipe with `qag=True` replaces it with a quantized all-gather (kernels/fp8/qag.py).
 """
 
 from __future__ import annotations

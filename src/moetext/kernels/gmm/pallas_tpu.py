@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from moetext.kernels.gmm import tiling as tiling_lib
-from moetext.kernels.gmm.backend import register
+from moetext.kernels.gmm.backend import GmmBackend, ScaledKernels, TilingArg, register
 from moetext.kernels.pallas_common import (
     GMM_DIMENSIONS,
     NUM_META,
@@ -53,7 +53,7 @@ from moetext.kernels.pallas_common import (
 
 
 @dataclasses.dataclass(frozen=True)
-class PallasTpuBackend:
+class PallasTpuBackend(GmmBackend):
     """interpret: None = interpret unless jax's default backend is TPU; True/False; or a
     `pltpu.InterpretParams` for the TPU-faithful interpreter. Compiling ahead of time for a TPU
     topology from a CPU host needs interpret=False (see `for_device`).
@@ -66,7 +66,7 @@ class PallasTpuBackend:
     name: ClassVar[str] = "pallas_tpu"
 
     @classmethod
-    def for_device(cls, device) -> PallasTpuBackend:
+    def for_device(cls, device: jax.Device) -> PallasTpuBackend:
         """Compiles for `device` (e.g. a topology device for AOT compiles)."""
         on_tpu = device.platform == "tpu"
         chip = tiling_lib.chip_from_device_kind(device.device_kind) if on_tpu else None
@@ -74,16 +74,18 @@ class PallasTpuBackend:
 
     def gmm(
         self,
-        lhs,
-        rhs,
-        group_sizes,
+        lhs: jax.Array,
+        rhs: jax.Array,
+        group_sizes: jax.Array,
         *,
-        preferred_element_type,
-        transpose_rhs,
-        group_offset,
-        tiling,
-        existing_out=None,
-    ):
+        preferred_element_type: jnp.dtype,
+        transpose_rhs: bool,
+        group_offset: jax.Array,
+        tiling: TilingArg,
+        existing_out: jax.Array | None = None,
+    ) -> jax.Array:
+        """Beyond the protocol: rows outside the local groups keep `existing_out` [M, N] (an
+        aliased, in-place initial buffer) instead of zeros."""
         m, k = lhs.shape
         n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
         chip = tiling_lib.resolve_chip(self.chip)
@@ -105,8 +107,16 @@ class PallasTpuBackend:
         )
 
     def tgmm(
-        self, lhs, rhs, group_sizes, *, num_groups, preferred_element_type, group_offset, tiling
-    ):
+        self,
+        lhs: jax.Array,
+        rhs: jax.Array,
+        group_sizes: jax.Array,
+        *,
+        num_groups: int,
+        preferred_element_type: jnp.dtype,
+        group_offset: jax.Array,
+        tiling: TilingArg,
+    ) -> jax.Array:
         m, k = lhs.shape
         n = rhs.shape[1]
         chip = tiling_lib.resolve_chip(self.chip)
@@ -124,6 +134,15 @@ class PallasTpuBackend:
             interpret=resolve_interpret(self.interpret),
             chip=chip,
         )
+
+    def scaled_kernels(self) -> ScaledKernels:
+        """The FP8 Pallas kernels (kernels/fp8/pallas_fp8.py, pallas_tgmm_fp8.py) and the Pallas
+        quantize kernel, with this backend's interpret and chip settings."""
+        # Imported here: the fp8 kernels import this package (gmm.tiling), so a module-level
+        # import would be circular.
+        from moetext.kernels.fp8.scaled_kernels import PallasFp8Kernels
+
+        return PallasFp8Kernels(interpret=self.interpret, chip=self.chip)
 
 
 # --- gmm ---------------------------------------------------------------------------------------

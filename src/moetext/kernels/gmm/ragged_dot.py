@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 
-from moetext.kernels.gmm.backend import register
+from moetext.kernels.gmm.backend import GmmBackend, TilingArg, register
 
 
-def _local_sizes(group_sizes, group_offset, num_local: int, m: int):
+def local_window(group_sizes, group_offset, num_local: int, m: int):
     """Group sizes for the local window and the mask of rows inside it.
 
     ragged_dot has no offset: the first local group also absorbs all earlier rows, which the
@@ -27,15 +30,26 @@ def _local_sizes(group_sizes, group_offset, num_local: int, m: int):
     return local.astype(jnp.int32), mask
 
 
-class RaggedDotBackend:
-    name = "ragged_dot"
+@dataclasses.dataclass(frozen=True)
+class RaggedDotBackend(GmmBackend):
+    """jax.lax.ragged_dot for gmm, ragged_dot_general for tgmm; rows outside the window masked."""
+
+    name: ClassVar[str] = "ragged_dot"
 
     def gmm(
-        self, lhs, rhs, group_sizes, *, preferred_element_type, transpose_rhs, group_offset, tiling
-    ):
+        self,
+        lhs: jax.Array,
+        rhs: jax.Array,
+        group_sizes: jax.Array,
+        *,
+        preferred_element_type: jnp.dtype,
+        transpose_rhs: bool,
+        group_offset: jax.Array,
+        tiling: TilingArg,
+    ) -> jax.Array:
         del tiling
         m = lhs.shape[0]
-        sizes, mask = _local_sizes(group_sizes, group_offset, rhs.shape[0], m)
+        sizes, mask = local_window(group_sizes, group_offset, rhs.shape[0], m)
         if transpose_rhs:
             rhs = jnp.swapaxes(rhs, 1, 2)
         lhs = jnp.where(mask[:, None], lhs, jnp.zeros((), lhs.dtype))
@@ -43,11 +57,19 @@ class RaggedDotBackend:
         return jnp.where(mask[:, None], out, jnp.zeros((), out.dtype))
 
     def tgmm(
-        self, lhs, rhs, group_sizes, *, num_groups, preferred_element_type, group_offset, tiling
-    ):
+        self,
+        lhs: jax.Array,
+        rhs: jax.Array,
+        group_sizes: jax.Array,
+        *,
+        num_groups: int,
+        preferred_element_type: jnp.dtype,
+        group_offset: jax.Array,
+        tiling: TilingArg,
+    ) -> jax.Array:
         del tiling
         m = lhs.shape[0]
-        sizes, mask = _local_sizes(group_sizes, group_offset, num_groups, m)
+        sizes, mask = local_window(group_sizes, group_offset, num_groups, m)
         lhs = jnp.where(mask[:, None], lhs, jnp.zeros((), lhs.dtype))
         rhs = jnp.where(mask[:, None], rhs, jnp.zeros((), rhs.dtype))
         dims = jax.lax.RaggedDotDimensionNumbers(

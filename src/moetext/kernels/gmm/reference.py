@@ -9,11 +9,14 @@ These loops are the definition every backend is tested against: slow, obvious, f
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moetext.kernels.gmm.backend import register
+from moetext.kernels.gmm.backend import GmmBackend, TilingArg, register
 
 
 def _windows(group_sizes, group_offset: int, num_local: int):
@@ -56,14 +59,23 @@ def tgmm_reference(lhs, rhs, group_sizes, *, num_groups=None, group_offset=0) ->
     return out_LKN
 
 
-class ReferenceBackend:
+@dataclasses.dataclass(frozen=True)
+class ReferenceBackend(GmmBackend):
     """The oracles behind jax.pure_callback: works under jit, and under grad via the api vjp."""
 
-    name = "reference"
+    name: ClassVar[str] = "reference"
 
     def gmm(
-        self, lhs, rhs, group_sizes, *, preferred_element_type, transpose_rhs, group_offset, tiling
-    ):
+        self,
+        lhs: jax.Array,
+        rhs: jax.Array,
+        group_sizes: jax.Array,
+        *,
+        preferred_element_type: jnp.dtype,
+        transpose_rhs: bool,
+        group_offset: jax.Array,
+        tiling: TilingArg,
+    ) -> jax.Array:
         del tiling
         n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
         pet = jnp.dtype(preferred_element_type)
@@ -78,8 +90,16 @@ class ReferenceBackend:
         return jax.pure_callback(host, shape, lhs, rhs, group_sizes, group_offset)
 
     def tgmm(
-        self, lhs, rhs, group_sizes, *, num_groups, preferred_element_type, group_offset, tiling
-    ):
+        self,
+        lhs: jax.Array,
+        rhs: jax.Array,
+        group_sizes: jax.Array,
+        *,
+        num_groups: int,
+        preferred_element_type: jnp.dtype,
+        group_offset: jax.Array,
+        tiling: TilingArg,
+    ) -> jax.Array:
         del tiling
         pet = jnp.dtype(preferred_element_type)
 

@@ -9,21 +9,36 @@ ragged_dot backend is reused; tgmm uses XLA's ragged_dot_general, which tokamax 
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
+import jax
 import jax.numpy as jnp
 import tokamax  # raises ImportError when absent; the package __init__ then skips this module
 
-from moetext.kernels.gmm.backend import register
-from moetext.kernels.gmm.ragged_dot import RaggedDotBackend, _local_sizes
+from moetext.kernels.gmm.backend import TilingArg, register
+from moetext.kernels.gmm.ragged_dot import RaggedDotBackend, local_window
 
 
+@dataclasses.dataclass(frozen=True)
 class TokamaxBackend(RaggedDotBackend):
-    name = "tokamax"
+    """tokamax.ragged_dot for gmm (tokamax picks the kernel); tgmm as ragged_dot."""
+
+    name: ClassVar[str] = "tokamax"
 
     def gmm(
-        self, lhs, rhs, group_sizes, *, preferred_element_type, transpose_rhs, group_offset, tiling
-    ):
+        self,
+        lhs: jax.Array,
+        rhs: jax.Array,
+        group_sizes: jax.Array,
+        *,
+        preferred_element_type: jnp.dtype,
+        transpose_rhs: bool,
+        group_offset: jax.Array,
+        tiling: TilingArg,
+    ) -> jax.Array:
         del tiling
-        sizes, mask = _local_sizes(group_sizes, group_offset, rhs.shape[0], lhs.shape[0])
+        sizes, mask = local_window(group_sizes, group_offset, rhs.shape[0], lhs.shape[0])
         if transpose_rhs:
             rhs = jnp.swapaxes(rhs, 1, 2)
         lhs = jnp.where(mask[:, None], lhs, jnp.zeros((), lhs.dtype))

@@ -1,7 +1,7 @@
 """Mixture-of-Experts feed-forward: router, dispatch (dropless / capacity), experts, block."""
 
 from moetext.models.moe.block import AUX_KEYS, LOAD_KEY, MoEBlock, zero_aux
-from moetext.models.moe.experts import Experts
+from moetext.models.moe.experts import Experts, gmm_from_config
 from moetext.models.moe.router import (
     Router,
     expert_load,
@@ -17,6 +17,7 @@ __all__ = [
     "MoEBlock",
     "Router",
     "expert_load",
+    "gmm_from_config",
     "load_balance_loss",
     "route",
     "router_z_loss",

@@ -10,11 +10,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moetext.config.schema import KernelsConfig, MoEConfig
+from moetext.config.schema import MoEConfig
+from moetext.kernels.gmm import Gmm
 from moetext.models.layers.mlp import SwiGLU
 from moetext.models.moe import dispatch as dsp
 from moetext.models.moe import ep
-from moetext.models.moe.experts import Experts, fuse_gate_up, gmm_backend
+from moetext.models.moe.experts import Experts
 from moetext.models.moe.router import (
     Router,
     expert_load,
@@ -54,12 +55,16 @@ def check_moe_config(cfg: MoEConfig) -> None:
 
 class MoEBlock(nnx.Module):
     """x_BSD -> (y_BSD, aux). aux["moe_loss"] is already weighted by the config's loss weights;
-    aux["expert_load"] is f_E [E], the fraction of routed assignments per expert."""
+    aux["expert_load"] is f_E [E], the fraction of routed assignments per expert.
+
+    gmm: the grouped matmul the dropless experts run (backend, quantization recipe, options),
+    built once per model (`gmm_from_config(cfg.kernels)`) and shared by every MoE layer.
+    """
 
     def __init__(
         self,
         cfg: MoEConfig,
-        kernels: KernelsConfig,
+        gmm: Gmm,
         *,
         emb_dim: int,
         init_std: float,
@@ -68,8 +73,12 @@ class MoEBlock(nnx.Module):
         rngs: nnx.Rngs,
     ):
         check_moe_config(cfg)
-        gmm_backend(kernels)  # an unknown name or bad FP8 recipe fails at build, not in jit
-        self.cfg, self.kernels, self.dtype = cfg, kernels, dtype
+        if not isinstance(gmm, Gmm):
+            raise ValueError(
+                f"MoEBlock: gmm must be a kernels.gmm.Gmm (e.g. gmm_from_config(cfg.kernels)), "
+                f"got {type(gmm).__name__}"
+            )
+        self.cfg, self.gmm, self.dtype = cfg, gmm, dtype
         self.router = Router(
             emb_dim, cfg.num_experts, init_std=init_std, param_dtype=param_dtype, rngs=rngs
         )
@@ -123,16 +132,9 @@ class MoEBlock(nnx.Module):
         # size > 1 mean a per-shard dispatch in shard_map (with an all-to-all when "exp" is).
         layout = ep.layout_from_context(self.cfg.num_experts)
         if layout is not None:
-            return ep.dropless(layout, x_TD, ids_TK, self.experts, self.kernels)
+            return ep.dropless(layout, x_TD, ids_TK, self.experts, self.gmm)
         xs_MD, group_sizes_E, order_M = dsp.permute(x_TD, ids_TK, self.cfg.num_experts)
-        ys_MD = self.experts.grouped(
-            xs_MD,
-            group_sizes_E,
-            backend=gmm_backend(self.kernels),
-            fused=fuse_gate_up(self.kernels),
-            checked=self.kernels.checked,
-            tiling=self.kernels.tiling,
-        )
+        ys_MD = self.experts.grouped(xs_MD, group_sizes_E, self.gmm)
         return dsp.unpermute(ys_MD, order_M, ids_TK.shape[1])
 
     def _capacity(self, x_TD, ids_TK):

@@ -18,7 +18,7 @@ routed rows (the all-reduced [T*K, D] arrays of docs/performance.md). Per shard:
 P = 1 (presets fsdp, fsdp_tp: tokens sharded, experts not) is the degenerate case: no counts
 exchange and no all-to-all; each shard sorts its own t*K rows and runs gmm against all E experts
 (each weight slice all-gathered inside gmm along `weight_gather`, as FSDP does for a dense MLP;
-FP8 on the wire under kernels.qag).
+FP8 on the wire under fp8_blockwise's qag).
 
 Shard p owns experts [p*L, (p+1)*L): the weights are split along E on the exp axes, so their
 dim-0 block p is exactly those experts. Routing and the aux losses stay outside, on the global
@@ -43,8 +43,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from moetext.kernels import gmm as gmm_lib
+from moetext.kernels.gmm import Gmm
 from moetext.models.moe import dispatch as dsp
-from moetext.models.moe.experts import fuse_gate_up, gmm_backend, swiglu_mlp
+from moetext.models.moe.experts import swiglu_mlp
 from moetext.sharding import logical
 
 # Logical names of the expert weights (models/moe/experts.py creates them with these).
@@ -125,11 +126,11 @@ def weight_gather(spec: PartitionSpec) -> gmm_lib.Gather:
     return tuple((dim, _axes(spec[dim])) for dim in range(1, len(spec)) if _axes(spec[dim]))
 
 
-def dropless(layout: EPLayout, x_TD, ids_TK, experts, kernels) -> jax.Array:
+def dropless(layout: EPLayout, x_TD, ids_TK, experts, gmm: Gmm) -> jax.Array:
     """y_TKD = expert_{ids[t, k]}(x_t) for every assignment, experts split over the exp axes.
 
     `experts` is the block's `Experts` module (stacked global weights [E, D, F] / [E, F, D]);
-    `kernels` the KernelsConfig (gmm backend, checked, tiling).
+    `gmm` the block's grouped matmul.
     """
     t, k = ids_TK.shape
     shards = _size(layout.mesh, layout.token_axes)
@@ -141,7 +142,7 @@ def dropless(layout: EPLayout, x_TD, ids_TK, experts, kernels) -> jax.Array:
         )
     tok = PartitionSpec(layout.token_axes)
     make_body = _local_body if layout.num_shards == 1 else _shard_body
-    body = make_body(layout, experts.w_gate.shape[0], experts.dtype, kernels)
+    body = make_body(layout, experts.w_gate.shape[0], experts.dtype, gmm)
     fn = jax.shard_map(
         body,
         mesh=layout.mesh,
@@ -154,19 +155,19 @@ def dropless(layout: EPLayout, x_TD, ids_TK, experts, kernels) -> jax.Array:
     return fn(x_TD, ids_TK, experts.w_gate[...], experts.w_up[...], experts.w_down[...])
 
 
-def _local_body(layout: EPLayout, num_experts: int, dtype, kernels):
+def _local_body(layout: EPLayout, num_experts: int, dtype, gmm: Gmm):
     """P = 1: this shard's rows through all E experts; the only collectives are the weights'
     all-gathers (and, in the backward pass, their reduce-scatters)."""
 
     def body(x_tD, ids_tK, w_gate, w_up, w_down):
         xs_mD, sizes_E, order_m = dsp.permute(x_tD.astype(dtype), ids_tK, num_experts)
-        ys_mD = _swiglu(layout, xs_mD, (w_gate, w_up, w_down), sizes_E, None, kernels, dtype)
+        ys_mD = _swiglu(layout, xs_mD, (w_gate, w_up, w_down), sizes_E, None, gmm, dtype)
         return dsp.unpermute(ys_mD, order_m, ids_tK.shape[1])
 
     return body
 
 
-def _shard_body(layout: EPLayout, num_experts: int, dtype, kernels):
+def _shard_body(layout: EPLayout, num_experts: int, dtype, gmm: Gmm):
     p, axes = layout.num_shards, layout.exp_axes
     n_local = num_experts // p
 
@@ -190,7 +191,7 @@ def _shard_body(layout: EPLayout, num_experts: int, dtype, kernels):
             (w_gate, w_up, w_down),
             group_sizes_E,
             me * n_local,
-            kernels,
+            gmm,
             dtype,
         )
         unsort_R = (
@@ -202,28 +203,22 @@ def _shard_body(layout: EPLayout, num_experts: int, dtype, kernels):
     return body
 
 
-def _swiglu(layout, xs_RD, weights, group_sizes_E, group_offset, kernels, dtype):
+def _swiglu(layout, xs_RD, weights, group_sizes_E, group_offset, gmm: Gmm, dtype):
     """The local experts' SwiGLU on rows grouped by expert; rows of other experts come out 0.
 
     weights: this shard's slices (w_gate, w_up, w_down) in the parameter dtype; gmm gathers
-    them along `weight_gather` in the compute dtype (or as FP8 under kernels.qag).
+    them along `weight_gather` in the compute dtype (or as FP8 under fp8_blockwise's qag).
     """
-    backend = gmm_backend(kernels)
-    reduce_dtype = None if kernels.grad_reduce_dtype == "param" else kernels.grad_reduce_dtype
 
     def mm(spec):
         def run(lhs, w):
-            return gmm_lib.gmm(
+            return gmm(
                 lhs,
                 w,
                 group_sizes_E,
-                backend=backend,
                 preferred_element_type=dtype,
                 group_offset=group_offset,
-                checked=kernels.checked,
-                tiling=kernels.tiling,
                 rhs_gather=weight_gather(spec),
-                grad_reduce_dtype=reduce_dtype,
             )
 
         return run
@@ -239,8 +234,7 @@ def _swiglu(layout, xs_RD, weights, group_sizes_E, group_offset, kernels, dtype)
         w_down,
         mm(w_in),
         mm(layout.w_out_spec),
-        backend=backend,
-        fused=fuse_gate_up(kernels),
+        gmm=gmm,
         gate_up_slices=slices,
     )
 

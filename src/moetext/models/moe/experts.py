@@ -5,15 +5,20 @@ Legend: E experts, D emb_dim, F moe_intermediate_size, M sorted assignment rows,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from moetext.config.schema import KernelsConfig
-from moetext.kernels import fp8
-from moetext.kernels import gmm as gmm_lib
+from moetext.errors import ConfigError
+from moetext.kernels import build_gmm
 from moetext.kernels.activations import swiglu
+from moetext.kernels.gmm import Gmm
 from moetext.models.layers.params import make_param, normal
+
+MatMul = Callable[[jax.Array, jax.Array], jax.Array]  # (lhs [M, K], w [E, K, N]) -> [M, N]
 
 
 class Experts(nnx.Module):
@@ -35,27 +40,15 @@ class Experts(nnx.Module):
         self.w_up = make_param(rngs, init, (e, d, f), ("exp", "embed", "mlp_moe"), param_dtype)
         self.w_down = make_param(rngs, init, (e, f, d), ("exp", "mlp_moe", "embed"), param_dtype)
 
-    def grouped(
-        self, xs_MD, group_sizes_E, *, backend, fused=False, checked=False, tiling=None
-    ) -> jax.Array:
+    def grouped(self, xs_MD: jax.Array, group_sizes_E: jax.Array, gmm: Gmm) -> jax.Array:
         """Rows sorted by expert (group_sizes_E of them per expert) through their expert's MLP."""
         dt = self.dtype
 
-        def mm(lhs, w):
-            return gmm_lib.gmm(
-                lhs,
-                w,
-                group_sizes_E,
-                backend=backend,
-                preferred_element_type=dt,
-                checked=checked,
-                tiling=tiling,
-            )
+        def mm(lhs: jax.Array, w: jax.Array) -> jax.Array:
+            return gmm(lhs, w, group_sizes_E, preferred_element_type=dt)
 
         w_gate, w_up, w_down = (w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down))
-        return swiglu_mlp(
-            xs_MD.astype(dt), w_gate, w_up, w_down, mm, mm, backend=backend, fused=fused
-        )
+        return swiglu_mlp(xs_MD.astype(dt), w_gate, w_up, w_down, mm, mm, gmm=gmm)
 
     def batched(self, x_ECD: jax.Array) -> jax.Array:
         """Fixed-capacity buffers [E, C, D] through their expert's MLP (plain einsums)."""
@@ -67,43 +60,51 @@ class Experts(nnx.Module):
         return jnp.einsum("ecf,efd->ecd", h_ECF, self.w_down[...].astype(dt))
 
 
-def swiglu_mlp(xs_MD, w_gate, w_up, w_down, mm_in, mm_out, *, backend, fused, gate_up_slices=1):
+def swiglu_mlp(
+    xs_MD: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    mm_in: MatMul,
+    mm_out: MatMul,
+    *,
+    gmm: Gmm,
+    gate_up_slices: int = 1,
+) -> jax.Array:
     """The SwiGLU expert MLP on rows grouped by expert.
 
-    fused: gate and up run as one gmm on [w_gate | w_up] ([E, D, 2F]): xs is read once and,
-    under FP8, quantized and kept for the backward once instead of twice (the layer's largest
-    residual), but the weight gradient is one [E, D, 2F] array, which in the FSDP train step
-    costs more peak memory than two [E, D, F] ones (docs/performance.md). Unfused: three gmms.
-    mm_in / mm_out(lhs, w) run the gmm for the input / output weights (they may all-gather
-    weight slices). gate_up_slices: how many slices of the F axis mm_in gathers; the fused
-    output columns then come as [slice, gate|up, F/slices] and are split accordingly.
+    gmm.fuse_gate_up: gate and up run as one gmm on [w_gate | w_up] ([E, D, 2F]): xs is read
+    once and, under FP8, quantized and kept for the backward once instead of twice (the layer's
+    largest residual), but the weight gradient is one [E, D, 2F] array, which in the FSDP train
+    step costs more peak memory than two [E, D, F] ones (docs/performance.md). Unfused: three
+    gmms. mm_in / mm_out(lhs, w) run the gmm for the input / output weights (they may
+    all-gather weight slices). gate_up_slices: how many slices of the F axis mm_in gathers; the
+    fused output columns then come as [slice, gate|up, F/slices] and are split accordingly.
     """
-    if not fused:
-        h_MF = swiglu(mm_in(xs_MD, w_gate), mm_in(xs_MD, w_up), backend=backend)
+    if not gmm.fuse_gate_up:
+        h_MF = swiglu(mm_in(xs_MD, w_gate), mm_in(xs_MD, w_up), gmm=gmm)
         return mm_out(h_MF, w_down)
     gu = mm_in(xs_MD, jnp.concatenate([w_gate, w_up], axis=2))
     rows = gu.shape[0]
     gu = gu.reshape(rows, gate_up_slices, 2, -1)
     g_MF, u_MF = (gu[:, :, i].reshape(rows, -1) for i in (0, 1))
-    return mm_out(swiglu(g_MF, u_MF, backend=backend), w_down)
+    return mm_out(swiglu(g_MF, u_MF, gmm=gmm), w_down)
 
 
-def fuse_gate_up(kernels: KernelsConfig) -> bool:
-    """kernels.fuse_gate_up resolved: "auto" fuses exactly when the gmm quantizes (FP8)."""
-    if kernels.fuse_gate_up == "auto":
-        return kernels.quantization != "none"
-    return bool(kernels.fuse_gate_up)
-
-
-def gmm_backend(kernels: KernelsConfig) -> gmm_lib.GmmBackend:
-    """The configured gmm backend, wrapped in QuantizedGmm when kernels.quantization asks."""
-    backend = gmm_lib.get_backend(kernels.gmm_backend)
-    if kernels.quantization == "fp8_blockwise":
-        recipe = fp8.Fp8Recipe(
-            block_size=kernels.fp8_block_size,
-            weight_block=kernels.fp8_weight_block,
-            bwd_quantize=kernels.fp8_bwd_quantize,
-            qag=kernels.qag,
+def gmm_from_config(kernels: KernelsConfig) -> Gmm:
+    """The one Gmm the model's MoE layers share, built from `kernels` (a bad backend, recipe or
+    recipe option is a ConfigError naming the key, before anything compiles)."""
+    try:
+        return build_gmm(
+            kernels.gmm_backend,
+            kernels.quantization,
+            kernels.recipe,
+            tiling=kernels.tiling,
+            checked=kernels.checked,
+            grad_reduce_dtype=None
+            if kernels.grad_reduce_dtype == "param"
+            else kernels.grad_reduce_dtype,
+            fuse_gate_up=kernels.fuse_gate_up,
         )
-        backend = fp8.QuantizedGmm(backend, recipe)
-    return backend
+    except ValueError as e:
+        raise ConfigError(f"kernels: {e}") from e

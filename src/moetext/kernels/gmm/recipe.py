@@ -1,0 +1,303 @@
+"""The quantization-recipe protocol (`Recipe`) and the identity recipe (`NoQuantization`).
+
+Legend: M rows (tokens sorted by group), K contraction, N outputs, G groups (G_local on an
+expert-parallel shard, serving groups [group_offset, group_offset + G_local)).
+
+A recipe says how a grouped matmul and its gradients are computed around any `GmmBackend`:
+which operands are quantized and how, what the forward keeps for the backward, in which
+precision the backward runs. It therefore owns the matmul's autodiff. `NoQuantization` is the
+custom_vjp written once over the backend protocol:
+  dlhs = gmm(dout, rhs, transpose_rhs flipped), drhs = tgmm(lhs, dout).
+The quantized recipes live in `moetext.kernels.quant` (one file each, one registry line).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from moetext.kernels.gmm.backend import GmmBackend, TilingArg
+from moetext.kernels.gmm.gather import Gather, gather_weight
+
+
+class Recipe(abc.ABC):
+    """How a grouped matmul and its gradients run on (possibly quantized) operands.
+
+    Required: `name` (the registry name), and differentiable `gmm` / `tgmm` taking the backend
+    plus the arguments of the backend protocol (shapes already checked by `api.Gmm`).
+
+    Optional hooks (defaults below):
+      `quantizes`: False only for the identity; "auto" settings key off it.
+      `gathered_gmm`: gmm on a weight slice inside shard_map; the default all-gathers it in
+        the compute dtype first (a recipe may gather quantized values instead: fp8 QAG).
+      `store_residual` / `load_residual`: how an activation kept for the backward outside a
+        gmm (the SwiGLU inputs, kernels/activations.py) is stored; the default keeps it as is.
+
+    Recipes are frozen dataclasses: they are static arguments of jit and custom_vjp.
+    """
+
+    name: ClassVar[str]
+    quantizes: ClassVar[bool] = True
+
+    @abc.abstractmethod
+    def gmm(
+        self,
+        backend: GmmBackend,
+        lhs: jax.Array,  # [M, K]
+        rhs: jax.Array,  # [G_local, K, N] ([G_local, N, K] when transpose_rhs)
+        group_sizes: jax.Array,  # [G] int32
+        *,
+        preferred_element_type: jnp.dtype,
+        transpose_rhs: bool,
+        group_offset: jax.Array,  # [] int32
+        tiling: TilingArg,
+    ) -> jax.Array:
+        """[M, N], differentiable in lhs and rhs (gradients in their dtypes)."""
+
+    @abc.abstractmethod
+    def tgmm(
+        self,
+        backend: GmmBackend,
+        lhs: jax.Array,  # [M, K]
+        rhs: jax.Array,  # [M, N]
+        group_sizes: jax.Array,
+        *,
+        num_groups: int,
+        preferred_element_type: jnp.dtype,
+        group_offset: jax.Array,
+        tiling: TilingArg,
+    ) -> jax.Array:
+        """[G_local, K, N], differentiable in lhs and rhs."""
+
+    def gathered_gmm(
+        self,
+        backend: GmmBackend,
+        lhs: jax.Array,
+        rhs: jax.Array,  # this shard's slice of the weights, split along `gather`
+        group_sizes: jax.Array,
+        *,
+        gather: Gather,
+        grad_reduce_dtype: jnp.dtype | None,
+        preferred_element_type: jnp.dtype,
+        transpose_rhs: bool,
+        group_offset: jax.Array,
+        tiling: TilingArg,
+    ) -> jax.Array:
+        """gmm on the all-gathered weights; the weight gradient is reduce-scattered back to the
+        slice (in `grad_reduce_dtype`, default the slice's dtype) and returned in its dtype."""
+        full = gather_weight(rhs, gather, lhs.dtype, grad_reduce_dtype)
+        return self.gmm(
+            backend,
+            lhs,
+            full,
+            group_sizes,
+            preferred_element_type=preferred_element_type,
+            transpose_rhs=transpose_rhs,
+            group_offset=group_offset,
+            tiling=tiling,
+        )
+
+    def store_residual(self, backend: GmmBackend, x: jax.Array) -> Any:
+        """What the backward keeps of activation x (a pytree); the default is x itself."""
+        del backend
+        return x
+
+    def load_residual(self, stored: Any, dtype: jnp.dtype) -> jax.Array:
+        """x back from `store_residual`, in `dtype`."""
+        return jnp.asarray(stored).astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class NoQuantization(Recipe):
+    """The identity recipe: the backend's matmuls at the input precision, autodiff by the
+    custom_vjp over the protocol (so a backend only implements forward math)."""
+
+    name: ClassVar[str] = "none"
+    quantizes: ClassVar[bool] = False
+
+    def gmm(
+        self,
+        backend: GmmBackend,
+        lhs: jax.Array,
+        rhs: jax.Array,
+        group_sizes: jax.Array,
+        *,
+        preferred_element_type: jnp.dtype,
+        transpose_rhs: bool,
+        group_offset: jax.Array,
+        tiling: TilingArg,
+    ) -> jax.Array:
+        pet = jnp.dtype(preferred_element_type)
+        out: jax.Array = _gmm(
+            backend, pet, transpose_rhs, tiling, lhs, rhs, group_sizes, group_offset
+        )
+        return out
+
+    def tgmm(
+        self,
+        backend: GmmBackend,
+        lhs: jax.Array,
+        rhs: jax.Array,
+        group_sizes: jax.Array,
+        *,
+        num_groups: int,
+        preferred_element_type: jnp.dtype,
+        group_offset: jax.Array,
+        tiling: TilingArg,
+    ) -> jax.Array:
+        pet = jnp.dtype(preferred_element_type)
+        out: jax.Array = _tgmm(
+            backend, pet, num_groups, tiling, lhs, rhs, group_sizes, group_offset
+        )
+        return out
+
+
+# --- the custom_vjp over the backend protocol --------------------------------------------------
+
+_Res = tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # lhs, rhs, group_sizes, group_offset
+_Grads = tuple[jax.Array, jax.Array, None, None]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _gmm(
+    be: GmmBackend,
+    pet: jnp.dtype,
+    transpose_rhs: bool,
+    tiling: TilingArg,
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    group_offset: jax.Array,
+) -> jax.Array:
+    return be.gmm(
+        lhs,
+        rhs,
+        group_sizes,
+        preferred_element_type=pet,
+        transpose_rhs=transpose_rhs,
+        group_offset=group_offset,
+        tiling=tiling,
+    )
+
+
+def _gmm_fwd(
+    be: GmmBackend,
+    pet: jnp.dtype,
+    transpose_rhs: bool,
+    tiling: TilingArg,
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    group_offset: jax.Array,
+) -> tuple[jax.Array, _Res]:
+    out: jax.Array = _gmm(be, pet, transpose_rhs, tiling, lhs, rhs, group_sizes, group_offset)
+    return out, (lhs, rhs, group_sizes, group_offset)
+
+
+def _gmm_bwd(
+    be: GmmBackend,
+    pet: jnp.dtype,
+    transpose_rhs: bool,
+    tiling: TilingArg,
+    res: _Res,
+    dout: jax.Array,
+) -> _Grads:
+    lhs, rhs, group_sizes, group_offset = res
+    dlhs = be.gmm(
+        dout,
+        rhs,
+        group_sizes,
+        preferred_element_type=lhs.dtype,
+        transpose_rhs=not transpose_rhs,
+        group_offset=group_offset,
+        tiling=tiling,
+    )
+    a, b = (dout, lhs) if transpose_rhs else (lhs, dout)
+    drhs = be.tgmm(
+        a,
+        b,
+        group_sizes,
+        num_groups=rhs.shape[0],
+        preferred_element_type=rhs.dtype,
+        group_offset=group_offset,
+        tiling=tiling,
+    )
+    return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype), None, None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _tgmm(
+    be: GmmBackend,
+    pet: jnp.dtype,
+    num_groups: int,
+    tiling: TilingArg,
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    group_offset: jax.Array,
+) -> jax.Array:
+    return be.tgmm(
+        lhs,
+        rhs,
+        group_sizes,
+        num_groups=num_groups,
+        preferred_element_type=pet,
+        group_offset=group_offset,
+        tiling=tiling,
+    )
+
+
+def _tgmm_fwd(
+    be: GmmBackend,
+    pet: jnp.dtype,
+    num_groups: int,
+    tiling: TilingArg,
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    group_offset: jax.Array,
+) -> tuple[jax.Array, _Res]:
+    out: jax.Array = _tgmm(be, pet, num_groups, tiling, lhs, rhs, group_sizes, group_offset)
+    return out, (lhs, rhs, group_sizes, group_offset)
+
+
+def _tgmm_bwd(
+    be: GmmBackend,
+    pet: jnp.dtype,
+    num_groups: int,
+    tiling: TilingArg,
+    res: _Res,
+    dout: jax.Array,
+) -> _Grads:
+    # out[g] = lhs_g.T @ rhs_g  =>  dlhs_g = rhs_g @ dout[g].T,  drhs_g = lhs_g @ dout[g]
+    lhs, rhs, group_sizes, group_offset = res
+    dlhs = be.gmm(
+        rhs,
+        dout,
+        group_sizes,
+        preferred_element_type=lhs.dtype,
+        transpose_rhs=True,
+        group_offset=group_offset,
+        tiling=tiling,
+    )
+    drhs = be.gmm(
+        lhs,
+        dout,
+        group_sizes,
+        preferred_element_type=rhs.dtype,
+        transpose_rhs=False,
+        group_offset=group_offset,
+        tiling=tiling,
+    )
+    return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype), None, None
+
+
+_tgmm.defvjp(_tgmm_fwd, _tgmm_bwd)
