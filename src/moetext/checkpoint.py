@@ -25,9 +25,7 @@ config (written before it was recorded) resume with a warning.
 from __future__ import annotations
 
 import json
-import logging
 import os
-import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +37,7 @@ from etils import epath
 
 from moetext.config import CheckpointConfig, Config, to_dict
 from moetext.errors import ConfigError
+from moetext.orbax_noise import quiet_orbax_failures
 
 ITEMS = ("state", "meta", "data")
 COMMIT_FILE = "commit_success.txt"  # orbax writes it last, into the step and each item
@@ -155,7 +154,7 @@ class Checkpointer:
             create=True,
         )
         self._mngr = ocp.CheckpointManager(self.directory, options=options)
-        _quiet_orbax_failures()
+        quiet_orbax_failures()
 
     def latest_step(self) -> int | None:
         return self._mngr.latest_step()
@@ -347,86 +346,6 @@ class Checkpointer:
             self.wait()
         finally:
             self._mngr.close()
-
-
-def _from_orbax(exc: BaseException | None) -> bool:
-    """Whether an exception was raised in orbax's or tensorstore's checkpoint I/O, or is the
-    'Event loop is closed' that tensorstore's completion callbacks hit once orbax has closed
-    the event loop of a failed operation."""
-    if exc is None:
-        return False
-    if _closed_loop_callback(exc):
-        return True
-    if re.match(r"[A-Z_]+: ", str(exc)):  # an absl::Status from tensorstore (C++, no frames)
-        return True
-    tb = exc.__traceback__
-    while tb is not None:
-        if "/orbax/" in tb.tb_frame.f_code.co_filename:
-            return True
-        tb = tb.tb_next
-    return False
-
-
-def _closed_loop_callback(exc: BaseException) -> bool:
-    """RuntimeError('Event loop is closed') raised straight from asyncio's
-    call_soon_threadsafe: a tensorstore completion callback arriving after orbax closed the loop
-    of a failed operation (never an exception of the program itself)."""
-    tb = exc.__traceback__
-    return (
-        isinstance(exc, RuntimeError)
-        and str(exc) == "Event loop is closed"
-        and tb is not None
-        and tb.tb_frame.f_code.co_name == "call_soon_threadsafe"
-    )
-
-
-class _OrbaxFailureNoise(logging.Filter):
-    """A failed save or restore surfaces as one CheckpointWriteError / broken-step line; orbax
-    also logs each failing background thread's traceback (absl), asyncio logs the futures it
-    left unretrieved, and tensorstore prints 'Event loop is closed' per pending callback. This
-    drops those records (only records carrying such an exception), keeping the one line."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if exc is None and record.name == "asyncio" and isinstance(record.args, dict):
-            exc = record.args.get("exception")
-        from_orbax_thread = "raised an exception" in record.getMessage() and (
-            "/orbax/" in record.pathname
-        )
-        return not (_from_orbax(exc) or from_orbax_thread)
-
-
-def _quiet_orbax_failures() -> None:
-    """Installs _OrbaxFailureNoise and an excepthook that drops tensorstore's stray 'Event loop
-    is closed' reports (once per process)."""
-    global _QUIETED
-    if _QUIETED:
-        return
-    _QUIETED = True
-    noise = _OrbaxFailureNoise()
-    for name in ("absl", "asyncio"):
-        logging.getLogger(name).addFilter(noise)
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(noise)
-    previous = sys.excepthook
-
-    def excepthook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
-        if _closed_loop_callback(value):
-            return
-        previous(tp, value, tb)
-
-    sys.excepthook = excepthook
-    previous_unraisable = sys.unraisablehook
-
-    def unraisablehook(u: Any) -> None:
-        if _from_orbax(u.exc_value):
-            return
-        previous_unraisable(u)
-
-    sys.unraisablehook = unraisablehook
-
-
-_QUIETED = False
 
 
 def abstract_like(tree: Any) -> Any:

@@ -1,0 +1,89 @@
+"""Quiet orbax's and tensorstore's own reports of a failed checkpoint save or restore.
+
+`moetext.checkpoint` turns such a failure into one line (CheckpointWriteError, or a broken step
+reported and skipped). Orbax also logs each failing background thread's traceback (absl),
+asyncio logs the futures it left unretrieved, and tensorstore prints 'Event loop is closed' for
+every pending callback; `quiet_orbax_failures()` drops exactly those reports, nothing else.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import sys
+from typing import Any
+
+
+def _from_orbax(exc: BaseException | None) -> bool:
+    """Whether an exception was raised in orbax's or tensorstore's checkpoint I/O, or is the
+    'Event loop is closed' that tensorstore's completion callbacks hit once orbax has closed
+    the event loop of a failed operation."""
+    if exc is None:
+        return False
+    if _closed_loop_callback(exc):
+        return True
+    if re.match(r"[A-Z_]+: ", str(exc)):  # an absl::Status from tensorstore (C++, no frames)
+        return True
+    tb = exc.__traceback__
+    while tb is not None:
+        if "/orbax/" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _closed_loop_callback(exc: BaseException) -> bool:
+    """RuntimeError('Event loop is closed') raised straight from asyncio's
+    call_soon_threadsafe: a tensorstore completion callback arriving after orbax closed the loop
+    of a failed operation (never an exception of the program itself)."""
+    tb = exc.__traceback__
+    return (
+        isinstance(exc, RuntimeError)
+        and str(exc) == "Event loop is closed"
+        and tb is not None
+        and tb.tb_frame.f_code.co_name == "call_soon_threadsafe"
+    )
+
+
+class _OrbaxFailureNoise(logging.Filter):
+    """A failed save or restore surfaces as one CheckpointWriteError / broken-step line; orbax
+    also logs each failing background thread's traceback (absl), asyncio logs the futures it
+    left unretrieved, and tensorstore prints 'Event loop is closed' per pending callback. This
+    drops those records (only records carrying such an exception), keeping the one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None and record.name == "asyncio" and isinstance(record.args, dict):
+            exc = record.args.get("exception")
+        from_orbax_thread = "raised an exception" in record.getMessage() and (
+            "/orbax/" in record.pathname
+        )
+        return not (_from_orbax(exc) or from_orbax_thread)
+
+
+@functools.cache  # once per process
+def quiet_orbax_failures() -> None:
+    """Installs _OrbaxFailureNoise and an excepthook that drops tensorstore's stray 'Event loop
+    is closed' reports."""
+    noise = _OrbaxFailureNoise()
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).addFilter(noise)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(noise)
+    previous = sys.excepthook
+
+    def excepthook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
+        if _closed_loop_callback(value):
+            return
+        previous(tp, value, tb)
+
+    sys.excepthook = excepthook
+    previous_unraisable = sys.unraisablehook
+
+    def unraisablehook(u: Any) -> None:
+        if _from_orbax(u.exc_value):
+            return
+        previous_unraisable(u)
+
+    sys.unraisablehook = unraisablehook
