@@ -14,7 +14,8 @@ from flax import nnx
 from tiny_configs import KERNELS, TINY_MOE, tiny
 
 from moetext import models
-from moetext.models.decoder import moe_layer_pattern, segments
+from moetext.errors import ConfigError
+from moetext.models.qwen3_moe.model import moe_layer_pattern, segments
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 B, S, V = 2, 8, 128
@@ -160,8 +161,10 @@ def test_moe_layer_pattern_follows_hf_rule():
 
 
 def test_bad_family_and_config_errors():
-    with pytest.raises(ValueError, match=r"unknown model family 'nope'.*dense, qwen3_moe"):
+    with pytest.raises(ConfigError, match=r"model.family='nope' is not a .*: dense, qwen3_moe"):
         _build(tiny(family="nope"))
+    with pytest.raises(ConfigError, match=r"'qwen3_mo' .*did you mean 'qwen3_moe'"):
+        _build(tiny(family="qwen3_mo"))
     with pytest.raises(ValueError, match="remat_policy"):
         _build(dataclasses.replace(tiny(), remat_policy="sometimes"))
     with pytest.raises(ValueError, match="mlp_only_layers"):

@@ -1,13 +1,29 @@
-"""Flax NNX models. `build(model_cfg, moe_cfg, kernels_cfg, rngs=nnx.Rngs(params=seed))`."""
+"""Flax NNX models, one folder per family (models/family.py says what a family provides).
 
-from moetext.models.decoder import Decoder, DecoderLayer, moe_layer_pattern
-from moetext.models.registry import available_families, build, register_family
+    model = models.build(cfg.model, cfg.moe, cfg.kernels, rngs=nnx.Rngs(params=seed))
+
+layers/ and moe/ are the building blocks families share.
+"""
+
+from moetext.models.family import (
+    CausalLM,
+    ModelFamily,
+    ParamCounts,
+    available_families,
+    build,
+    get_family,
+    register_family,
+)
+
+# The built-in families: each registers itself on import (one line per family).
+from moetext.models import dense, qwen3_moe  # noqa: E402, F401  isort: skip
 
 __all__ = [
-    "Decoder",
-    "DecoderLayer",
+    "CausalLM",
+    "ModelFamily",
+    "ParamCounts",
     "available_families",
     "build",
-    "moe_layer_pattern",
+    "get_family",
     "register_family",
 ]

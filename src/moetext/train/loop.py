@@ -22,7 +22,6 @@ from moetext import models, optim
 from moetext.checkpoint import Checkpointer, abstract_like
 from moetext.config import Config
 from moetext.data.batch import unigram_entropy
-from moetext.models.decoder import moe_layer_pattern
 from moetext.models.flops import flops_per_token
 from moetext.sharding import plan as sharding_plan
 from moetext.train import metrics as metrics_lib
@@ -63,6 +62,9 @@ def build(
     """
     if plan is None:
         plan = make_plan(cfg, devices)
+    family = models.get_family(cfg.model.family)
+    # Before anything is traced: one error naming the family if the preset misses an axis.
+    plan.check_names(sorted(family.logical_axes), f"model family {family.name!r}")
     tx = optim.build(cfg.optim, cfg.train.steps)
     lr_schedule = optim.schedule(cfg.optim, cfg.train.steps)
 
@@ -167,7 +169,7 @@ def run(cfg: Config) -> dict[str, Any]:
         start,
         cfg.train.progress_bar,
         tensorboard=cfg.train.tensorboard,
-        moe_pattern=moe_layer_pattern(cfg.model),
+        moe_pattern=models.get_family(cfg.model.family).moe_layers(cfg.model),
     )
     log.info(peak.describe())
     last: dict[str, Any] = {"step": start}

@@ -1,10 +1,11 @@
-"""The decoder-only transformer: embedding, N x (attention + dense-or-MoE MLP), norm, LM head.
+"""The Qwen3 decoder-only transformer: embedding, N x (attention + dense-or-MoE MLP), norm, head.
 
 Legend: B batch, S sequence, D emb_dim, V vocab, H head_dim, L layers in a scanned stack.
 
-Layer i uses the MoE block when (i + 1) % decoder_sparse_step == 0 and i is not in
-mlp_only_layers (the HF Qwen3-MoE rule). With scan_layers, each run of consecutive layers of the
-same kind is one stacked module (params get a leading "layers" axis) run by jax.lax.scan.
+The family picks which layers hold the MoE block (`moe_pattern`): qwen3_moe by
+`moe_layer_pattern` (the HF Qwen3-MoE rule), dense none. With scan_layers, each run of
+consecutive layers of the same kind is one stacked module (params get a leading "layers" axis)
+run by jax.lax.scan.
 """
 
 from __future__ import annotations

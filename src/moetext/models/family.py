@@ -1,0 +1,120 @@
+"""Model families by name: one folder each under `moetext/models/`, registered in one line.
+
+A `ModelFamily` is everything the rest of moetext needs to know about an architecture:
+
+    build            (model_cfg, moe_cfg, kernels_cfg, rngs) -> a `CausalLM` nnx.Module
+    moe_layers       which of its layers hold an MoE block (labels metrics' expert_load rows)
+    count_params     analytic total / active / embedding parameter counts
+    flops_per_token  training FLOPs per token (the trainer's MFU, the AOT report)
+    logical_axes     every logical axis name its params and activations use; the trainer checks
+                     the sharding preset covers them before anything is built
+
+The family's folder holds its module tree, its counts and (with checkpoint conversion) its
+Hugging Face name map; `register_family(FAMILY)` at the end of its `__init__.py` and one import
+line in `moetext/models/__init__.py` make `model.family: <name>` build it. A family may also be
+registered from outside the package (tests/models/test_family.py trains one defined in a test).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Callable
+from typing import Protocol, TypedDict
+
+import jax
+from flax import nnx
+
+from moetext.config.schema import KernelsConfig, ModelConfig, MoEConfig
+from moetext.errors import ConfigError
+
+
+class ParamCounts(TypedDict):
+    total: int
+    """Every parameter (a tied embedding/LM head counted once)."""
+    active: int
+    """Parameters a token's forward pass touches (K of E routed experts)."""
+    embedding: int
+    """The token embedding table."""
+
+
+class CausalLM(Protocol):
+    """What a family's `build` returns: the trainer, evaluation and decoding call only this.
+
+    logits_BSV float32; aux holds float32 scalars moe_loss (weighted, added to the loss),
+    load_balance_loss, router_z_loss, dropped_fraction and, with MoE layers, expert_load
+    [num_moe_layers, E] (see models/moe/block.py: AUX_KEYS, LOAD_KEY)."""
+
+    def __call__(
+        self,
+        tokens_BS: jax.Array,
+        *,
+        positions_BS: jax.Array | None = None,
+        segment_ids_BS: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]: ...
+
+
+Builder = Callable[[ModelConfig, MoEConfig, KernelsConfig, nnx.Rngs], nnx.Module]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    """The `model.family` value that selects it."""
+    description: str
+    """One line for docs and error messages."""
+    build: Builder
+    """(model_cfg, moe_cfg, kernels_cfg, rngs) -> nnx.Module following `CausalLM`; params drawn
+    from rngs' "params" stream, each carrying its logical axis names."""
+    moe_layers: Callable[[ModelConfig], tuple[bool, ...]]
+    """Per layer, True where it holds an MoE block, in the order of aux["expert_load"] rows."""
+    count_params: Callable[[ModelConfig, MoEConfig], ParamCounts]
+    flops_per_token: Callable[[ModelConfig, MoEConfig, int], float]
+    """(model_cfg, moe_cfg, seq_len) -> training FLOPs per token (see models/flops.py)."""
+    logical_axes: frozenset[str]
+    """Every logical axis name of its params and activation constraints (tests check this is
+    exactly what the built model uses)."""
+
+    def __post_init__(self) -> None:
+        if not self.name.isidentifier():
+            raise ValueError(f"model family name {self.name!r} must be a Python identifier")
+
+
+_FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register_family(family: ModelFamily, *, replace: bool = False) -> ModelFamily:
+    """Makes `model.family: <family.name>` build it; a second family of one name is an error
+    unless replace=True. Returns the family (so a module can `FAMILY = register_family(...)`)."""
+    old = _FAMILIES.get(family.name)
+    if old is not None and old is not family and not replace:
+        raise ValueError(
+            f"model family {family.name!r} is already registered ({old.description}); pass "
+            "replace=True to replace it"
+        )
+    _FAMILIES[family.name] = family
+    return family
+
+
+def available_families() -> list[str]:
+    return sorted(_FAMILIES)
+
+
+def get_family(name: str) -> ModelFamily:
+    """The registered family `name`; a ConfigError with the valid names (and the nearest) if
+    there is none."""
+    if name not in _FAMILIES:
+        near = difflib.get_close_matches(name, _FAMILIES, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise ConfigError(
+            f"model.family={name!r} is not a registered model family{hint}; valid names: "
+            f"{', '.join(available_families())}"
+        )
+    return _FAMILIES[name]
+
+
+def build(
+    model_cfg: ModelConfig, moe_cfg: MoEConfig, kernels_cfg: KernelsConfig, *, rngs: nnx.Rngs
+) -> nnx.Module:
+    """The model of `model_cfg.family`, with params initialised from `rngs` (stream "params")."""
+    return get_family(model_cfg.family).build(model_cfg, moe_cfg, kernels_cfg, rngs)
