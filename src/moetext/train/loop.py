@@ -6,7 +6,7 @@ import dataclasses
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -38,8 +38,8 @@ class Built:
 
     cfg: Config
     mesh: Mesh
-    graphdef: nnx.GraphDef
-    rest: nnx.State
+    graphdef: nnx.GraphDef[nnx.Module]
+    rest: nnx.State[Any, Any]
     state: TrainState
     tx: Any
     lr_schedule: Any
@@ -68,8 +68,9 @@ def build(
     tx = optim.build(cfg.optim, cfg.train.steps)
     lr_schedule = optim.schedule(cfg.optim, cfg.train.steps)
 
-    def create():
-        _, params, rest = nnx.split(create_model(cfg), nnx.Param, ...)
+    def create() -> tuple[TrainState, nnx.State[Any, Any]]:
+        # flax types nnx.split with two filters as a variadic tuple of States.
+        _, params, rest = nnx.split(create_model(cfg), nnx.Param, ...)  # type: ignore[misc]
         key = jax.random.key_data(jax.random.key(cfg.train.seed + 1))
         state = TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), key)
         return state, rest
@@ -81,7 +82,8 @@ def build(
     shardings = (plan.shardings_for(abstract_tree[0]), plan.shardings_for(abstract_tree[1]))
     if abstract:
         state, rest = jax.tree.map(
-            lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+            # jax.ShapeDtypeStruct.__init__ has no annotations.
+            lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),  # type: ignore[no-untyped-call]
             abstract_tree,
             shardings,
         )
@@ -107,7 +109,7 @@ def make_plan(cfg: Config, devices: list[jax.Device] | None = None) -> sharding_
     return sharding_plan.make_plan(cfg.sharding, devices)
 
 
-def jit_train_step(b: Built):
+def jit_train_step(b: Built) -> Any:
     """The train step with the plan's shardings pinned on both sides (state donated)."""
     skip = b.cfg.train.skip_nonfinite_steps > 0
     step = make_train_step(b.graphdef, b.rest, b.tx, b.lr_schedule, skip_nonfinite=skip)
@@ -119,7 +121,7 @@ def jit_train_step(b: Built):
     )
 
 
-def lower_checked(b: Built, jitted, *args):
+def lower_checked(b: Built, jitted: Any, *args: Any) -> Any:
     """Traces `jitted` under the logical rules, then checks every activation name had a rule."""
     with b.plan.rules(), sharding_plan.record_logical_names() as names:
         lowered = jitted.lower(*args)
@@ -157,7 +159,10 @@ def run(cfg: Config) -> dict[str, Any]:
         make_eval_step(b.graphdef, b.rest),
         in_shardings=(b.state_shardings.params, b.batch_sharding),
     )
-    put = lambda batch: put_batch(batch, b.batch_sharding, rows, cfg.data.global_batch_size)
+
+    def put(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        return put_batch(batch, b.batch_sharding, rows, cfg.data.global_batch_size)
+
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
     fpt = flops_per_token(cfg.model, cfg.moe, cfg.data.seq_len)
     peak = peak_lib.select(cfg.train.peak_tflops)
@@ -255,7 +260,8 @@ def _maybe_resume(b: Built, ckpt: Checkpointer | None, data: data_lib.TrainData)
     found = ckpt.restore_latest(abstract_like(b.state), check_meta)
     if found is None:
         return b.state
-    step, state, _, data_states = found
+    step, restored, _, data_states = found
+    state: TrainState = restored
     if changes[step] and jax.process_index() == 0:
         print(f"resume: checkpoint {directory}/{step}: {'; '.join(changes[step])}", file=sys.stderr)
     data.restore(data_states)
@@ -296,7 +302,11 @@ def put_batch(
     return {k: put(v) for k, v in batch.items()}
 
 
-def _evaluate(eval_step, params, eval_set: list[dict[str, jax.Array]]) -> dict[str, float]:
+def _evaluate(
+    eval_step: Callable[..., dict[str, jax.Array]],
+    params: Any,
+    eval_set: list[dict[str, jax.Array]],
+) -> dict[str, float]:
     """Mean eval_loss over the fixed batches; perplexity from the token-weighted CE."""
     out = [jax.device_get(eval_step(params, batch)) for batch in eval_set]
     nll = sum(float(o["eval_nll_sum"]) for o in out)

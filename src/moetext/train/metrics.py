@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import numpy.typing as npt
 from etils import epath
 
 from moetext.models.moe import LOAD_KEY  # expert_load [num_moe_layers, E] in a metrics row
@@ -32,10 +33,11 @@ def to_host(metrics: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def imbalance(load_LE: np.ndarray) -> np.ndarray:
+def imbalance(load_LE: npt.ArrayLike) -> npt.NDArray[np.float64]:
     """max / mean expert load per layer: 1.0 is perfectly balanced, E is one expert takes all."""
-    load_LE = np.asarray(load_LE, np.float64)
-    return load_LE.max(axis=-1) / np.maximum(load_LE.mean(axis=-1), 1e-30)
+    a_LE = np.asarray(load_LE, np.float64)
+    out: npt.NDArray[np.float64] = a_LE.max(axis=-1) / np.maximum(a_LE.mean(axis=-1), 1e-30)
+    return out
 
 
 class MetricsLog:
@@ -173,7 +175,8 @@ def truncate_after(path: epath.PathLike, step: int) -> None:
         tmp.replace(path)
 
 
-def _plain(v):
+def _plain(v: Any) -> Any:
+    """A JSON value: arrays and numpy scalars as Python numbers, nan/inf as strings."""
     if isinstance(v, jax.Array | np.ndarray | np.generic):
         v = np.asarray(v).item()
     if isinstance(v, float) and not math.isfinite(v):
@@ -181,5 +184,5 @@ def _plain(v):
     return v
 
 
-def _short(v):
+def _short(v: Any) -> Any:
     return f"{v:.4g}" if isinstance(v, float) else v

@@ -10,7 +10,8 @@ run by jax.lax.scan.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,12 @@ from moetext.models.moe.experts import gmm_from_config
 from moetext.sharding.logical import constrain
 
 ACT_NAMES = ("batch", "length", "embed")
+Aux = dict[str, jax.Array]
+LayerState = nnx.State[Any, Any]
+# (x_BSD, layer state, cos_BSH, sin_BSH, segment_ids_BS) -> (x_BSD, aux): one layer, remat'd.
+LayerStep = Callable[
+    [jax.Array, LayerState, jax.Array, jax.Array, jax.Array | None], tuple[jax.Array, Aux]
+]
 REMAT_POLICIES = ("none", "full", "save_dots")
 
 
@@ -43,13 +50,13 @@ def moe_layer_pattern(cfg: ModelConfig) -> tuple[bool, ...]:
 
 def segments(pattern: Sequence[bool]) -> tuple[tuple[bool, int], ...]:
     """Runs of consecutive layers of one kind: ((is_moe, count), ...) in layer order."""
-    runs: list[list] = []
+    runs: list[tuple[bool, int]] = []
     for is_moe in pattern:
-        if runs and runs[-1][0] == is_moe:
-            runs[-1][1] += 1
+        if runs and runs[-1][0] == bool(is_moe):
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
         else:
-            runs.append([is_moe, 1])
-    return tuple((bool(m), n) for m, n in runs)
+            runs.append((bool(is_moe), 1))
+    return tuple(runs)
 
 
 class DecoderLayer(nnx.Module):
@@ -91,17 +98,24 @@ class DecoderLayer(nnx.Module):
                 rngs=rngs,
             )
 
-    def __call__(self, x_BSD, cos_BSH, sin_BSH, segment_ids_BS=None):
+    def __call__(
+        self,
+        x_BSD: jax.Array,
+        cos_BSH: jax.Array,
+        sin_BSH: jax.Array,
+        segment_ids_BS: jax.Array | None = None,
+    ) -> tuple[jax.Array, Aux]:
         x_BSD = constrain(x_BSD, ACT_NAMES)
         h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_BSH, sin_BSH, segment_ids_BS)
-        if self.use_moe:
+        aux: Aux
+        if isinstance(self.mlp, MoEBlock):
             y_BSD, aux = self.mlp(self.mlp_norm(h_BSD))
         else:
             y_BSD, aux = self.mlp(self.mlp_norm(h_BSD)), zero_aux()
         return constrain(h_BSD + y_BSD, ACT_NAMES), aux
 
 
-def _remat(fn, policy: str, *, in_scan: bool):
+def _remat(fn: LayerStep, policy: str, *, in_scan: bool) -> LayerStep:
     # Inside scan the loop already separates iterations, so CSE prevention only costs speed.
     if policy == "none":
         return fn
@@ -113,9 +127,16 @@ def _remat(fn, policy: str, *, in_scan: bool):
     return jax.checkpoint(fn, policy=saver, prevent_cse=not in_scan)
 
 
-def _layer_step(graphdef, policy: str, *, in_scan: bool):
-    def step(x_BSD, state, cos_BSH, sin_BSH, segment_ids_BS):
-        return nnx.merge(graphdef, state)(x_BSD, cos_BSH, sin_BSH, segment_ids_BS)
+def _layer_step(graphdef: nnx.GraphDef[DecoderLayer], policy: str, *, in_scan: bool) -> LayerStep:
+    def step(
+        x_BSD: jax.Array,
+        state: LayerState,
+        cos_BSH: jax.Array,
+        sin_BSH: jax.Array,
+        segment_ids_BS: jax.Array | None,
+    ) -> tuple[jax.Array, Aux]:
+        layer: DecoderLayer = nnx.merge(graphdef, state)
+        return layer(x_BSD, cos_BSH, sin_BSH, segment_ids_BS)
 
     return _remat(step, policy, in_scan=in_scan)
 
@@ -160,7 +181,7 @@ class Decoder(nnx.Module):
         # unrolled model built from the same seed hold the same weights (restacked).
         base_key = rngs.params()
 
-        def make_layer(use_moe, key):
+        def make_layer(use_moe: bool, key: jax.Array) -> DecoderLayer:
             r = nnx.Rngs(params=key)
             return DecoderLayer(cfg, moe_cfg, gmm, use_moe=use_moe, rngs=r)
 
@@ -190,7 +211,7 @@ class Decoder(nnx.Module):
         *,
         positions_BS: jax.Array | None = None,
         segment_ids_BS: jax.Array | None = None,
-    ):
+    ) -> tuple[jax.Array, Aux]:
         cfg = self.cfg
         if tokens_BS.ndim != 2 or not jnp.issubdtype(tokens_BS.dtype, jnp.integer):
             raise ValueError(
@@ -221,7 +242,13 @@ class Decoder(nnx.Module):
             aux[LOAD_KEY] = jnp.concatenate(loads, axis=0)
         return logits_BSV, aux
 
-    def _run_layers(self, x_BSD, cos_BSH, sin_BSH, segment_ids_BS):
+    def _run_layers(
+        self,
+        x_BSD: jax.Array,
+        cos_BSH: jax.Array,
+        sin_BSH: jax.Array,
+        segment_ids_BS: jax.Array | None,
+    ) -> tuple[jax.Array, Aux, list[jax.Array]]:
         """-> (x_BSD, summed scalar aux, the MoE layers' expert loads: a list of [n, E])."""
         policy = self.cfg.remat_policy
         aux_sum, loads = zero_aux(), []
@@ -230,7 +257,9 @@ class Decoder(nnx.Module):
                 graphdef, state = nnx.split(stack)
                 step = _layer_step(graphdef, policy, in_scan=True)
 
-                def body(x, st, step=step):
+                def body(
+                    x: jax.Array, st: LayerState, step: LayerStep = step
+                ) -> tuple[jax.Array, Aux]:
                     return step(x, st, cos_BSH, sin_BSH, segment_ids_BS)
 
                 x_BSD, aux_L = jax.lax.scan(body, x_BSD, state)
@@ -249,9 +278,11 @@ class Decoder(nnx.Module):
         return x_BSD, aux_sum, loads
 
 
-def _make_stack(make_layer, use_moe: bool, keys):
+def _make_stack(
+    make_layer: Callable[[bool, jax.Array], DecoderLayer], use_moe: bool, keys: jax.Array
+) -> DecoderLayer:
     """One layer per key, with params stacked on a leading "layers" axis."""
-    create = nnx.vmap(
+    create: Callable[[jax.Array], DecoderLayer] = nnx.vmap(
         lambda key: make_layer(use_moe, key),
         in_axes=0,
         out_axes=0,
