@@ -1,0 +1,126 @@
+"""Writes the Hugging Face Qwen3-MoE fixtures of tests/convert/ (run by hand, not by CI).
+
+Needs torch and transformers, which moetext itself never imports; use a separate venv:
+
+    python3.12 -m venv /tmp/hfvenv && /tmp/hfvenv/bin/pip install torch transformers
+    /tmp/hfvenv/bin/python scripts/make_hf_fixture.py [--out tests/fixtures/hf]
+
+Each fixture is a tiny random Qwen3MoeForCausalLM saved by `save_pretrained` (config.json +
+safetensors) with `input_ids.npy` [2, 12] and the float32 eager-attention logits of those ids,
+`logits.npy` [2, 12, V]. The configurations cover: a dense first layer (mlp_only_layers),
+decoder_sparse_step 2, norm_topk_prob true and false, head_dim != hidden_size / heads, tied and
+untied embeddings, one file and sharded files with an index, and both config.json spellings
+(transformers 5 as written; `released` is rewritten as the released Qwen3 checkpoints spell it:
+num_experts, rope_theta, torch_dtype).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+FIXTURES = {
+    # transformers 5 spelling, one file, dense first layer, head_dim 16 != 32 / 4, no renorm.
+    "dense_first_t5": dict(
+        config=dict(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            mlp_only_layers=[0],
+            norm_topk_prob=False,
+            rope_theta=10000.0,
+            tie_word_embeddings=False,
+        ),
+        released=False,
+        shard=None,
+    ),
+    # released spelling, sharded, sparse step 2, renormalised top-k, tied embeddings.
+    "sparse_step_released": dict(
+        config=dict(
+            vocab_size=80,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=8,
+            num_experts=6,
+            num_experts_per_tok=3,
+            moe_intermediate_size=16,
+            decoder_sparse_step=2,
+            norm_topk_prob=True,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+        ),
+        released=True,
+        shard="40KB",
+    ),
+}
+
+
+def released_spelling(cfg: dict) -> dict:
+    """config.json as the released Qwen3-MoE checkpoints (transformers 4.x) spell it."""
+    cfg = dict(cfg)
+    cfg["num_experts"] = cfg.pop("num_local_experts")
+    cfg["rope_theta"] = cfg.pop("rope_parameters")["rope_theta"]
+    cfg["rope_scaling"] = None
+    cfg["torch_dtype"] = cfg.pop("dtype")
+    return cfg
+
+
+def make(name: str, spec: dict, out: Path) -> None:
+    torch.manual_seed(sum(map(ord, name)))
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**spec["config"], attn_implementation="eager"))
+    # Random init is ~N(0, 0.02): scale up so routing and logits are far from uniform.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim > 1:
+                p.mul_(10.0)
+            else:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    model.eval()
+    d = out / name
+    d.mkdir(parents=True, exist_ok=True)
+    for f in d.iterdir():
+        f.unlink()
+    kwargs = {"max_shard_size": spec["shard"]} if spec["shard"] else {}
+    model.save_pretrained(d, **kwargs)
+    (d / "generation_config.json").unlink(missing_ok=True)
+    if spec["released"]:
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps(released_spelling(cfg), indent=2) + "\n")
+    gen = np.random.default_rng(0)
+    ids = gen.integers(0, spec["config"]["vocab_size"], size=(2, 12), dtype=np.int64)
+    with torch.no_grad():
+        logits = model(torch.from_numpy(ids)).logits.float().numpy()
+    np.save(d / "input_ids.npy", ids.astype(np.int32))
+    np.save(d / "logits.npy", logits.astype(np.float32))
+    size = sum(f.stat().st_size for f in d.iterdir())
+    print(f"{d}: {sorted(f.name for f in d.iterdir())}, {size / 1e3:.0f} kB")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "tests/fixtures/hf"))
+    args = p.parse_args()
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}")
+    for name, spec in FIXTURES.items():
+        make(name, spec, Path(args.out))
+
+
+if __name__ == "__main__":
+    main()

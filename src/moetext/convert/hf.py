@@ -1,0 +1,95 @@
+"""Hugging Face Qwen3-MoE checkpoints as moetext models: the Python API.
+
+    cfg, model = load_model("path/to/Qwen3-30B-A3B", dtype="float32")
+    logits_BSV, aux = model(tokens_BS)
+
+The family's name map and config.json mapping live in `moetext/models/qwen3_moe/hf.py`; this
+module reads the tensors (memory-mapped, one at a time) and places them in the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+
+from moetext import models
+from moetext.config.schema import Config, KernelsConfig
+from moetext.convert.safetensors_io import SafetensorsReader
+from moetext.errors import ConfigError
+from moetext.models.qwen3_moe import hf as qwen3_hf
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def read_config(hf_dir: str | Path) -> dict[str, Any]:
+    path = Path(hf_dir) / "config.json"
+    if not Path(hf_dir).is_dir():
+        raise ConfigError(f"Hugging Face checkpoint directory {hf_dir} does not exist")
+    if not path.exists():
+        raise ConfigError(f"{path} is missing (every Hugging Face checkpoint has one)")
+    config: dict[str, Any] = json.loads(path.read_text())
+    return config
+
+
+def config_from_hf_dir(hf_dir: str | Path, dtype: str | None = None) -> Config:
+    """A moetext Config for the checkpoint (model and moe from config.json; other sections at
+    their defaults). dtype sets param_dtype and compute dtype (default: the stored dtype)."""
+    model_cfg, moe_cfg, stored = qwen3_hf.config_from_hf(read_config(hf_dir))
+    dtype = dtype or stored
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    model_cfg = dataclasses.replace(model_cfg, param_dtype=dtype, dtype=dtype)  # type: ignore[arg-type]
+    return Config(model=model_cfg, moe=moe_cfg)
+
+
+def check_tensors(reader: SafetensorsReader, tensors: list[qwen3_hf.Tensor], tied: bool) -> None:
+    """Every tensor the model needs is there and nothing else is (named either way)."""
+    want = {n for t in tensors for n in t.hf_names}
+    have = set(reader.names())
+    if tied:
+        have.discard("lm_head.weight")  # some writers keep the tied head; it is the embedding
+    missing, extra = sorted(want - have), sorted(have - want)
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)}: {', '.join(missing[:8])}")
+        if extra:
+            parts.append(f"unexpected {len(extra)}: {', '.join(extra[:8])}")
+        raise ConfigError(
+            f"checkpoint {reader.directory} tensors do not match config.json: " + "; ".join(parts)
+        )
+
+
+def load_model(
+    hf_dir: str | Path, dtype: str = "float32", kernels: KernelsConfig | None = None
+) -> tuple[Config, nnx.Module]:
+    """(config, model) with the checkpoint's weights; dtype sets param and compute dtype.
+    The model is the unscanned qwen3_moe Decoder: model(tokens_BS) -> (logits_BSV, aux)."""
+    cfg = config_from_hf_dir(hf_dir, dtype)
+    if kernels is not None:
+        cfg = dataclasses.replace(cfg, kernels=kernels)
+    reader = SafetensorsReader(hf_dir)
+    tensors = qwen3_hf.tensor_map(cfg.model, cfg.moe)
+    check_tensors(reader, tensors, cfg.model.tie_embeddings)
+    abstract = nnx.eval_shape(
+        lambda: models.build(cfg.model, cfg.moe, cfg.kernels, rngs=nnx.Rngs(params=0))
+    )
+    graphdef, state = nnx.split(abstract)
+    for t in tensors:
+        parts = [reader.get(name) for name in t.hf_names]
+        for name, part in zip(t.hf_names, parts, strict=True):
+            if tuple(part.shape) != t.hf_shape:
+                raise ConfigError(
+                    f"tensor {name} has shape {tuple(part.shape)}; config.json needs "
+                    f"{t.hf_shape} (moetext {'.'.join(map(str, t.path))} {t.shape})"
+                )
+        var: Any = state
+        for key in t.path:
+            var = var[key]
+        var.set_value(jnp.asarray(t.to_moetext(parts), dtype=jnp.dtype(dtype)))
+    return cfg, nnx.merge(graphdef, state)

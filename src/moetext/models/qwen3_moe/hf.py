@@ -1,0 +1,252 @@
+"""Hugging Face Qwen3-MoE <-> moetext: config.json fields and the tensor name map.
+
+`config_from_hf(config_json)` reads both spellings of config.json (released Qwen3 checkpoints:
+`num_experts`, `rope_theta`, `torch_dtype`; transformers 5: `num_local_experts`,
+`rope_parameters.rope_theta`, `dtype`); `config_to_hf` writes the released spelling.
+
+`tensor_map(model_cfg, moe_cfg)` lists, for every parameter of the *unscanned* Decoder (path in
+its nnx state, e.g. ("layers", 3, "attn", "w_q")), the HF tensors it is made of and the two
+transforms. HF stores torch Linear weights as [out, in]; moetext stores [in, out] with heads
+split out (w_q [D, N, H], w_o [N, H, D]) and the experts stacked (w_gate [E, D, F]). Every
+transform is a transpose/reshape/stack, so hf -> moetext -> hf is bit-exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+from moetext.config.schema import ModelConfig, MoEConfig
+from moetext.errors import ConfigError
+from moetext.models.qwen3_moe.model import moe_layer_pattern
+
+ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+MODEL_TYPE = "qwen3_moe"
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+ParamPath = tuple[str | int, ...]
+
+
+Kind = Literal["same", "linear", "heads_in", "heads_out", "experts"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One moetext parameter and the HF tensors it is made of.
+
+    kind says how: same (identity), linear (torch [out, in] <-> [in, out]), heads_in (q/k/v:
+    [n*h, d] <-> [d, n, h]), heads_out (o: [d, n*h] <-> [n, h, d]), experts (E torch
+    [out, in] tensors <-> one [E, in, out])."""
+
+    path: ParamPath
+    """Where it lives in the unscanned Decoder's nnx.State (nnx.Param leaves)."""
+    hf_names: tuple[str, ...]
+    """The HF tensors, in order (E of them for stacked experts)."""
+    shape: tuple[int, ...]
+    """The moetext shape."""
+    kind: Kind
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        """The shape of each of the HF tensors."""
+        s = self.shape
+        if self.kind == "same":
+            return s
+        if self.kind == "linear":
+            return (s[1], s[0])
+        if self.kind == "heads_in":
+            return (s[1] * s[2], s[0])
+        if self.kind == "heads_out":
+            return (s[2], s[0] * s[1])
+        return (s[2], s[1])  # experts
+
+    def to_moetext(self, parts: Sequence[np.ndarray]) -> np.ndarray:
+        x = np.asarray(parts[0])
+        if self.kind == "same":
+            return x
+        if self.kind == "linear":
+            return np.ascontiguousarray(x.T)
+        if self.kind in ("heads_in", "heads_out"):
+            return np.ascontiguousarray(x.T.reshape(self.shape))
+        return np.stack([np.asarray(p).T for p in parts])
+
+    def to_hf(self, value: np.ndarray) -> list[np.ndarray]:
+        x = np.asarray(value)
+        if self.kind == "same":
+            return [x]
+        if self.kind == "experts":
+            return [np.ascontiguousarray(e.T) for e in x]
+        flat = (self.hf_shape[1], self.hf_shape[0])  # the moetext side as [in, out]
+        return [np.ascontiguousarray(x.reshape(flat).T)]
+
+
+def tensor_map(m: ModelConfig, moe: MoEConfig) -> list[Tensor]:
+    """Every parameter of the unscanned qwen3_moe Decoder with its HF tensors."""
+    d, n, kv, h, v = m.emb_dim, m.num_heads, m.num_kv_heads, m.head_dim, m.vocab_size
+    e, f = moe.num_experts, moe.moe_intermediate_size
+    out = [Tensor(("embed",), ("model.embed_tokens.weight",), (v, d), "same")]
+    for i, is_moe in enumerate(moe_layer_pattern(m)):
+        hf, me = f"model.layers.{i}", ("layers", i)
+        attn = f"{hf}.self_attn"
+        out += [
+            Tensor((*me, "attn", "w_q"), (f"{attn}.q_proj.weight",), (d, n, h), "heads_in"),
+            Tensor((*me, "attn", "w_k"), (f"{attn}.k_proj.weight",), (d, kv, h), "heads_in"),
+            Tensor((*me, "attn", "w_v"), (f"{attn}.v_proj.weight",), (d, kv, h), "heads_in"),
+            Tensor((*me, "attn", "w_o"), (f"{attn}.o_proj.weight",), (n, h, d), "heads_out"),
+            Tensor((*me, "attn_norm", "scale"), (f"{hf}.input_layernorm.weight",), (d,), "same"),
+            Tensor(
+                (*me, "mlp_norm", "scale"), (f"{hf}.post_attention_layernorm.weight",), (d,), "same"
+            ),
+        ]
+        if m.qk_norm:
+            for which in ("q_norm", "k_norm"):
+                path = (*me, "attn", which, "scale")
+                out.append(Tensor(path, (f"{attn}.{which}.weight",), (h,), "same"))
+        if is_moe:
+            out.append(
+                Tensor((*me, "mlp", "router", "w"), (f"{hf}.mlp.gate.weight",), (d, e), "linear")
+            )
+            for ours, theirs, shape in (
+                ("w_gate", "gate_proj", (e, d, f)),
+                ("w_up", "up_proj", (e, d, f)),
+                ("w_down", "down_proj", (e, f, d)),
+            ):
+                names = tuple(f"{hf}.mlp.experts.{j}.{theirs}.weight" for j in range(e))
+                out.append(Tensor((*me, "mlp", "experts", ours), names, shape, "experts"))
+        else:
+            for ours, theirs, shape2 in (
+                ("w_gate", "gate_proj", (d, m.mlp_dim)),
+                ("w_up", "up_proj", (d, m.mlp_dim)),
+                ("w_down", "down_proj", (m.mlp_dim, d)),
+            ):
+                out.append(
+                    Tensor((*me, "mlp", ours), (f"{hf}.mlp.{theirs}.weight",), shape2, "linear")
+                )
+    out.append(Tensor(("final_norm", "scale"), ("model.norm.weight",), (d,), "same"))
+    if not m.tie_embeddings:
+        out.append(Tensor(("lm_head",), ("lm_head.weight",), (v, d), "same"))
+    return out
+
+
+# --- config.json ------------------------------------------------------------------------------
+
+
+def _get(hf: Mapping[str, Any], *names: str, default: Any = None, required: bool = True) -> Any:
+    for name in names:
+        if name in hf:
+            return hf[name]
+    if required and default is None:
+        raise ConfigError(f"config.json has none of {', '.join(names)} (a Qwen3-MoE field)")
+    return default
+
+
+def hf_dtype(hf: Mapping[str, Any]) -> str:
+    """The stored dtype config.json names (`dtype`, or `torch_dtype` in released checkpoints)."""
+    name = str(_get(hf, "dtype", "torch_dtype", default="float32"))
+    if name not in DTYPES:
+        raise ConfigError(f"config.json dtype {name!r} is not one of {', '.join(DTYPES)}")
+    return name
+
+
+def rope_theta(hf: Mapping[str, Any]) -> float:
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling")
+    kind = (params or {}).get("rope_type", "default")
+    if (scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default")) or (
+        kind != "default"
+    ):
+        raise ConfigError(
+            f"config.json rope scaling {scaling or params!r} is not supported (plain RoPE only)"
+        )
+    theta = params.get("rope_theta", hf.get("rope_theta"))
+    if theta is None:
+        raise ConfigError("config.json has neither rope_theta nor rope_parameters.rope_theta")
+    return float(theta)
+
+
+def config_from_hf(hf: Mapping[str, Any]) -> tuple[ModelConfig, MoEConfig, str]:
+    """(model, moe, stored dtype) from a Qwen3-MoE config.json; unsupported values and
+    architectures fail naming the field."""
+    arch = hf.get("architectures") or []
+    if hf.get("model_type") != MODEL_TYPE or any(a not in ARCHITECTURES for a in arch):
+        raise ConfigError(
+            f"config.json describes model_type={hf.get('model_type')!r} architectures={arch}; "
+            f"supported: model_type={MODEL_TYPE!r} ({', '.join(ARCHITECTURES)})"
+        )
+    unsupported = {
+        "attention_bias": (hf.get("attention_bias", False), False),
+        "use_sliding_window": (hf.get("use_sliding_window", False), False),
+        "hidden_act": (hf.get("hidden_act", "silu"), "silu"),
+        "shared_expert_intermediate_size": (hf.get("shared_expert_intermediate_size", 0), 0),
+    }
+    for field, (got, want) in unsupported.items():
+        if got != want:
+            raise ConfigError(f"config.json {field}={got!r} is not supported (needs {want!r})")
+    hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    model = ModelConfig(
+        family="qwen3_moe",
+        vocab_size=int(hf["vocab_size"]),
+        emb_dim=hidden,
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(_get(hf, "num_key_value_heads", default=heads)),
+        head_dim=int(hf.get("head_dim") or hidden // heads),
+        mlp_dim=int(hf["intermediate_size"]),
+        rope_theta=rope_theta(hf),
+        rms_norm_eps=float(hf["rms_norm_eps"]),
+        qk_norm=True,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+        mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+    )
+    moe = MoEConfig(
+        num_experts=int(_get(hf, "num_experts", "num_local_experts")),
+        num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        aux_loss_weight=float(hf.get("router_aux_loss_coef", MoEConfig.aux_loss_weight)),
+    )
+    return model, moe, hf_dtype(hf)
+
+
+def config_to_hf(m: ModelConfig, moe: MoEConfig, dtype: str) -> dict[str, Any]:
+    """config.json in the spelling of the released Qwen3-MoE checkpoints."""
+    if m.family != "qwen3_moe" or not m.qk_norm:
+        raise ConfigError(
+            f"only model.family='qwen3_moe' with qk_norm converts to Qwen3MoeForCausalLM, got "
+            f"family={m.family!r} qk_norm={m.qk_norm}"
+        )
+    if moe.num_shared_experts:
+        raise ConfigError(
+            f"moe.num_shared_experts={moe.num_shared_experts}: Qwen3MoeForCausalLM has none"
+        )
+    return {
+        "architectures": list(ARCHITECTURES),
+        "model_type": MODEL_TYPE,
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.emb_dim,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads,
+        "num_key_value_heads": m.num_kv_heads,
+        "head_dim": m.head_dim,
+        "intermediate_size": m.mlp_dim,
+        "rope_theta": m.rope_theta,
+        "rope_scaling": None,
+        "rms_norm_eps": m.rms_norm_eps,
+        "tie_word_embeddings": m.tie_embeddings,
+        "decoder_sparse_step": m.decoder_sparse_step,
+        "mlp_only_layers": list(m.mlp_only_layers),
+        "num_experts": moe.num_experts,
+        "num_experts_per_tok": moe.num_experts_per_tok,
+        "moe_intermediate_size": moe.moe_intermediate_size,
+        "norm_topk_prob": moe.norm_topk_prob,
+        "router_aux_loss_coef": moe.aux_loss_weight,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "torch_dtype": dtype,
+    }
