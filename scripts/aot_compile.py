@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 # Only describes a topology, never opens a TPU: don't contend for libtpu's one-process lock.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-import moetext  # noqa: E402,F401,I001  (platform defaults before jax is imported)
+import moetext  # noqa: E402,F401,I001  (quiets libtpu's TPU probing where there is no TPU)
 from jax.errors import JaxRuntimeError  # noqa: E402
 
 from moetext import aot, config  # noqa: E402

@@ -19,7 +19,7 @@ import tempfile
 
 import numpy as np
 
-import moetext  # noqa: F401  (platform defaults before jax)
+import moetext  # noqa: F401  (quiets libtpu's TPU probing where there is no TPU)
 from moetext import config as config_lib
 from moetext import train
 

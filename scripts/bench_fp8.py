@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # AOT only describes a topology
-import moetext  # noqa: E402,F401,I001  (platform defaults before jax is imported)
+import moetext  # noqa: E402,F401,I001  (quiets libtpu's TPU probing where there is no TPU)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import moetext  # noqa: F401  (CPU platform defaults before jax starts)
+import moetext  # noqa: F401  (quiets libtpu's TPU probing where there is no TPU)
 from moetext.kernels import gmm as gmm_lib
 
 D, F = 2048, 768  # Qwen3-30B-A3B: model dim, expert intermediate dim

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
-import moetext  # noqa: F401  (CPU platform defaults; jax reads them at first use, not import)
+import moetext  # noqa: F401  (quiets libtpu's TPU probing where there is no TPU)
 from moetext.aot import TOPOLOGY_BY_CHIP, tpu_devices
 from moetext.kernels.gmm import get_backend
 from moetext.kernels.gmm.pallas_tpu import PallasTpuBackend

@@ -16,7 +16,7 @@ import time
 import jax
 import numpy as np
 
-import moetext  # noqa: F401  (platform defaults before jax)
+import moetext  # noqa: F401  (quiets libtpu's TPU probing where there is no TPU)
 from moetext import config as config_lib
 from moetext import data as data_lib
 from moetext.models.flops import flops_per_token

@@ -3,13 +3,16 @@
 jax fixes the device count when it initialises, so multi-device checks run in a subprocess:
 `python -m tests.<package>.<module> [args]` from the repository root (tests/ is a namespace
 package there), which prints one line `RESULT <json>`. Workers are ordinary modules beside
-their tests, linted and type-checked like the rest.
+their tests, linted and type-checked like the rest. `running` is for a process the test drives
+while it runs (signals, limits), which must not outlive the test.
 """
 
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -43,3 +46,15 @@ def run_worker(module: str, *args: str, timeout_s: float, devices: int = 8) -> d
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
     result: dict[str, Any] = json.loads(line[len("RESULT ") :])
     return result
+
+
+@contextmanager
+def running(cmd: Sequence[str], **popen: Any) -> Iterator[subprocess.Popen[str]]:
+    """`Popen(cmd, text=True, **popen)` for the with-block; on leaving it (an assert failed, a
+    deadline passed), a process still running is killed, then waited for and its pipes closed."""
+    with subprocess.Popen(cmd, text=True, **popen) as proc:
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.kill()

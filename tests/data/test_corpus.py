@@ -2,12 +2,12 @@
 with concurrent first uses waiting for a single preparation."""
 
 import os
-import subprocess
-import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 
 import tensorflow_datasets as tfds
 
+from fake_devices import run_worker
 from moetext.data import corpus
 from moetext.data.tokenizer import load_tokenizer
 
@@ -78,17 +78,12 @@ def test_ensure_prepares_once_then_hits_the_cache(monkeypatch, tmp_path, capsys)
     assert not os.path.exists(os.path.join(dataset_dir, "tokenizer-v300.model"))
 
 
-def test_concurrent_first_uses_prepare_once(tmp_path):
-    code = "from moetext.data import corpus; print(*corpus.ensure_python_docs(vocab_size=512))"
-    env = {**os.environ, "MOETEXT_DATA_DIR": str(tmp_path)}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
-        for _ in range(2)
-    ]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    assert outs[0][0] == outs[1][0]
-    assert sum(err.count(b"preparing the embedded corpus") for _, err in outs) == 1
+def test_concurrent_first_uses_prepare_once(monkeypatch, tmp_path):
+    monkeypatch.setenv("MOETEXT_DATA_DIR", str(tmp_path))
+    worker = "tests.data.corpus_worker"
+    with ThreadPoolExecutor(2) as pool:  # two processes at once, both finding nothing prepared
+        runs = [pool.submit(run_worker, worker, timeout_s=120) for _ in range(2)]
+    outs = [run.result() for run in runs]
+    assert outs[0]["paths"] == outs[1]["paths"]
+    assert sum(out["stderr"].count("preparing the embedded corpus") for out in outs) == 1
     assert sorted(os.listdir(tmp_path)) == [".python_docs.lock", "python_docs"]

@@ -22,7 +22,7 @@ import json
 import re
 from typing import Any
 
-import moetext  # noqa: F401  (platform defaults: jax reads JAX_PLATFORMS when imported)
+import moetext  # noqa: F401  (quiets libtpu's TPU probing where there is no TPU)
 
 # isort: split
 import jax

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import moetext  # noqa: F401  (platform defaults: jax reads JAX_PLATFORMS when imported)
+import moetext  # noqa: F401  (quiets libtpu's TPU probing where there is no TPU)
 
 # isort: split
 import jax

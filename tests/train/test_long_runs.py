@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import jax
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fake_devices import running
 from moetext import config, train
 from moetext.train import loop, rundir
 from moetext.train.nonfinite import NonFiniteError
@@ -63,15 +65,10 @@ def _checkpoints(run_dir) -> list[int]:
 def _signal_after_steps(tmp_path, sig: int, min_steps: int = 3):
     """Starts a long run, sends `sig` once `min_steps` rows are logged; (process output, the
     newest logged step when the signal went out)."""
-    proc = subprocess.Popen(
-        _cli(tmp_path, "train.steps=10000", "train.log_every=1", "checkpoint.every=1000"),
-        cwd=tmp_path,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
+    cmd = _cli(tmp_path, "train.steps=10000", "train.log_every=1", "checkpoint.every=1000")
+    with running(
+        cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    ) as proc:
         deadline = time.monotonic() + 120
         while len(_steps(tmp_path)) < min_steps:
             assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
@@ -80,9 +77,6 @@ def _signal_after_steps(tmp_path, sig: int, min_steps: int = 3):
         seen = _steps(tmp_path)[-1]
         proc.send_signal(sig)
         out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 0, out[-3000:]
     return out, seen
 
@@ -126,26 +120,26 @@ def test_ctrl_c_on_one_of_two_processes_stops_both_at_the_same_step(tmp_path):
     for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(key, None)
     run = tmp_path / "run"
-    procs = [
-        subprocess.Popen(
-            _cli(
-                run,
-                "train.steps=10000",
-                "train.log_every=2",
-                "checkpoint.every=1000",
-                f"distributed.coordinator_address=127.0.0.1:{port}",
-                "distributed.num_processes=2",
-                f"distributed.process_id={i}",
-            ),
-            cwd=tmp_path,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
+    same = [
+        "train.steps=10000",
+        "train.log_every=2",
+        "checkpoint.every=1000",
+        f"distributed.coordinator_address=127.0.0.1:{port}",
+        "distributed.num_processes=2",
     ]
-    try:
+    with ExitStack() as stack:
+        procs = [
+            stack.enter_context(
+                running(
+                    _cli(run, *same, f"distributed.process_id={i}"),
+                    cwd=tmp_path,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+            for i in range(2)
+        ]
         deadline = time.monotonic() + 240
         while len(_steps(run)) < 2:
             assert all(p.poll() is None for p in procs), [p.communicate()[0] for p in procs]
@@ -153,10 +147,6 @@ def test_ctrl_c_on_one_of_two_processes_stops_both_at_the_same_step(tmp_path):
             time.sleep(0.2)
         procs[1].send_signal(signal.SIGINT)
         outs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
     assert [p.returncode for p in procs] == [0, 0], [o[-2000:] for o in outs]
     (saved,) = _checkpoints(run)
     assert saved % 2 == 0  # agreed at a log step
@@ -167,10 +157,9 @@ def _kill_during_async_save(run_dir, cli: list[str], after_step: int) -> int:
     """Starts `cli`, SIGKILLs it while orbax writes the first async save of a step past
     `after_step` (its <step>.orbax-checkpoint-tmp directory exists); returns that step."""
     ckpts = Path(run_dir) / "checkpoints"
-    proc = subprocess.Popen(
-        cli, cwd=run_dir, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
-    try:
+    with running(
+        cli, cwd=run_dir, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    ) as proc:
         deadline = time.monotonic() + 180
         while True:
             assert proc.poll() is None, "the run ended before a save could be interrupted"
@@ -182,11 +171,6 @@ def _kill_during_async_save(run_dir, cli: list[str], after_step: int) -> int:
                 proc.wait(timeout=30)
                 return max(saving)
             time.sleep(0.001)  # a save of the tiny state takes ~300 ms on 2 cores
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        if proc.stderr:
-            proc.stderr.close()
 
 
 @pytest.mark.slow
@@ -352,31 +336,23 @@ def test_free_space_warning_compares_the_filesystem_with_the_checkpoint_size(tmp
 def test_a_checkpoint_write_that_fails_is_one_line_and_keeps_the_previous_one(tmp_path):
     # A real write failure: once checkpoint 4 is complete, the running trainer's file-size limit
     # drops to 64 KiB (Python ignores SIGXFSZ), so orbax's next write fails with EFBIG.
-    proc = subprocess.Popen(
-        _cli(
-            tmp_path,
-            "data.kind=synthetic",
-            "train.steps=400",
-            "train.log_every=1",
-            "checkpoint.every=4",
-            "train.tensorboard=false",
-        ),
-        cwd=tmp_path,
-        env=_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
+    cmd = _cli(
+        tmp_path,
+        "data.kind=synthetic",
+        "train.steps=400",
+        "train.log_every=1",
+        "checkpoint.every=4",
+        "train.tensorboard=false",
     )
-    try:
+    with running(
+        cmd, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    ) as proc:
         deadline = time.monotonic() + 180
         while not (tmp_path / "checkpoints/4/commit_success.txt").exists():
             assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint 4"
             time.sleep(0.01)
         resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
         _, err = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 1, err[-3000:]
     assert "Traceback" not in err and "ERROR:" not in err, err[-3000:]
     (line,) = [x for x in err.splitlines() if x.startswith("error:")]
