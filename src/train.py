@@ -2,7 +2,7 @@
 
 import sys
 
-import moetext  # noqa: F401  (platform defaults before jax is imported)
+import moetext  # noqa: F401  (quiets libtpu's TPU probing where there is no TPU)
 from moetext.cli import main
 
 if __name__ == "__main__":
