@@ -311,3 +311,30 @@ def _check_model_config(cfg: ModelConfig) -> None:
     bad_only = [i for i in cfg.mlp_only_layers if not 0 <= i < cfg.num_layers]
     if bad_only:
         raise ValueError(f"mlp_only_layers {bad_only} out of range for {cfg.num_layers} layers")
+
+
+def stack_layers(params: dict[str, Any], pattern: Sequence[bool]) -> dict[str, Any]:
+    """An unscanned Decoder's param tree ("layers": {i: layer}) in the scan_layers layout
+    ("stacks": {j: layers of run j stacked on a leading axis}); other entries unchanged.
+    Works on nested dicts of arrays (jnp.stack: call it under jit to place the result)."""
+    layers = params["layers"]
+    out = {k: v for k, v in params.items() if k != "layers"}
+    stacks, start = {}, 0
+    for j, (_, count) in enumerate(segments(pattern)):
+        run = [layers[i] for i in range(start, start + count)]
+        stacks[j] = jax.tree.map(lambda *xs: jnp.stack(xs), *run)
+        start += count
+    out["stacks"] = stacks
+    return out
+
+
+def unstack_layers(params: dict[str, Any], pattern: Sequence[bool]) -> dict[str, Any]:
+    """The inverse of `stack_layers`."""
+    out = {k: v for k, v in params.items() if k != "stacks"}
+    layers, start = {}, 0
+    for j, (_, count) in enumerate(segments(pattern)):
+        for k in range(count):
+            layers[start + k] = jax.tree.map(lambda x, k=k: x[k], params["stacks"][j])
+        start += count
+    out["layers"] = layers
+    return out

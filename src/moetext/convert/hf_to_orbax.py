@@ -1,0 +1,226 @@
+"""Hugging Face Qwen3-MoE safetensors -> a moetext orbax checkpoint, streaming.
+
+    python -m moetext.convert hf-to-orbax --hf DIR --out OUT [--config YML] [--dtype bfloat16]
+        [--emit_config] [--overwrite]
+
+OUT is laid out like a run's `checkpoints/<step>/`: `state/` (an orbax PyTree {"params": ...}
+of the unscanned model, the stored dtype kept unless --dtype), `meta/` (step 0 and the
+resolved config), plus a self-contained `config.yml` and `tokenizer/` with the source's
+tokenizer files. A run with `scan_layers` restacks the layers when it loads them.
+
+Memory: each HF tensor is memory-mapped; a parameter whose layout or dtype changes is written
+into a memory-mapped scratch file under OUT's staging directory (file pages, not anonymous
+memory), and orbax writes from those maps with its in-flight bytes capped
+(`SAVE_CONCURRENT_GB`). The peak anonymous memory is therefore about one cap, not the model
+(tests/convert/test_hf_to_orbax.py measures it). Everything is written to a staging directory
+next to OUT and renamed at the end, so a failed conversion leaves nothing at OUT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+import yaml
+from flax import nnx
+
+from moetext import config as config_lib
+from moetext import models
+from moetext.config.schema import Config
+from moetext.convert.hf import DTYPES, check_tensors, read_config
+from moetext.convert.safetensors_io import SafetensorsReader
+from moetext.errors import ConfigError
+from moetext.models.qwen3_moe import hf as qwen3_hf
+
+SAVE_CONCURRENT_GB = 1
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "generation_config.json",
+)
+# Fields that decide a parameter's shape or value: a --config must agree with config.json.
+SHAPE_FIELDS = {
+    "model": (
+        "vocab_size",
+        "emb_dim",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "mlp_dim",
+        "rope_theta",
+        "rms_norm_eps",
+        "qk_norm",
+        "tie_embeddings",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+    ),
+    "moe": (
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
+        "num_shared_experts",
+    ),
+}
+
+
+def np_dtype(name: str) -> np.dtype[Any]:
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def derive_config(hf_dir: str | Path, config_path: str | Path | None) -> Config:
+    """The run config for the checkpoint: from config.json, or `config_path` checked against it."""
+    model_cfg, moe_cfg, _ = qwen3_hf.config_from_hf(read_config(hf_dir))
+    if config_path is None:
+        return Config(model=model_cfg, moe=moe_cfg)
+    cfg = config_lib.load(config_path)
+    bad = []
+    for section, fields in SHAPE_FIELDS.items():
+        ours, theirs = getattr(cfg, section), {"model": model_cfg, "moe": moe_cfg}[section]
+        for name in fields:
+            a, b = getattr(ours, name), getattr(theirs, name)
+            if a != b:
+                bad.append(f"{section}.{name}: {config_path} has {a!r}, config.json {b!r}")
+    if cfg.model.family != "qwen3_moe":
+        bad.append(f"model.family: {config_path} has {cfg.model.family!r}, config.json qwen3_moe")
+    if bad:
+        raise ConfigError(f"{config_path} does not describe {hf_dir}: " + "; ".join(bad))
+    return cfg
+
+
+def _unscanned(cfg: Config) -> Config:
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=False))
+
+
+def abstract_params(cfg: Config) -> nnx.State[Any, Any]:
+    """The unscanned model's nnx.Param state of ShapeDtypeStructs (what a checkpoint holds)."""
+    c = _unscanned(cfg)
+    model = nnx.eval_shape(lambda: models.build(c.model, c.moe, c.kernels, rngs=nnx.Rngs(0)))
+    return nnx.state(model, nnx.Param)
+
+
+def _leaf(params: nnx.State[Any, Any], path: tuple[str | int, ...]) -> Any:
+    node: Any = params
+    for key in path:
+        node = node[key]
+    return node
+
+
+def _mapped(
+    reader: SafetensorsReader, t: qwen3_hf.Tensor, dtype: np.dtype[Any], scratch: Path
+) -> np.ndarray:
+    """The moetext array of `t`, as a memory map: the HF tensor itself when nothing changes,
+    else a scratch file filled one HF tensor (one expert) at a time."""
+    parts = [reader.get(name) for name in t.hf_names]
+    for name, part in zip(t.hf_names, parts, strict=True):
+        if tuple(part.shape) != t.hf_shape:
+            raise ConfigError(
+                f"tensor {name} has shape {tuple(part.shape)}; config.json needs {t.hf_shape} "
+                f"(moetext {'.'.join(map(str, t.path))} {t.shape})"
+            )
+    if t.kind == "same" and parts[0].dtype == dtype:
+        return parts[0]
+    path = scratch / f"{len(list(scratch.iterdir())):06d}.bin"
+    out = np.memmap(path, dtype, "w+", shape=t.shape)
+    if t.kind == "experts":
+        for e, part in enumerate(parts):
+            np.copyto(out[e], np.asarray(part).T, casting="unsafe")
+    elif t.kind == "same":
+        np.copyto(out, parts[0], casting="unsafe")
+    else:  # [out, in] -> [in, out], then heads split: a view of `out` takes the copy directly
+        flat = out.reshape(t.hf_shape[1], t.hf_shape[0])
+        np.copyto(flat, np.asarray(parts[0]).T, casting="unsafe")
+    out.flush()
+    return np.memmap(path, dtype, "r", shape=t.shape)
+
+
+def _refuse_existing(out: Path, overwrite: bool) -> None:
+    empty_dir = out.is_dir() and not any(out.iterdir())
+    if out.exists() and not empty_dir and not overwrite:
+        raise ConfigError(f"{out} already exists; pass --overwrite to replace it")
+
+
+def hf_to_orbax(
+    hf_dir: str | Path,
+    out: str | Path,
+    *,
+    config_path: str | Path | None = None,
+    dtype: str | None = None,
+    overwrite: bool = False,
+) -> Config:
+    """Converts; returns the config written to OUT/config.yml."""
+    hf_dir, out = Path(hf_dir), Path(out)
+    cfg = derive_config(hf_dir, config_path)
+    stored = qwen3_hf.hf_dtype(read_config(hf_dir))
+    dtype = dtype or stored
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    _refuse_existing(out, overwrite)
+    reader = SafetensorsReader(hf_dir)
+    tensors = qwen3_hf.tensor_map(cfg.model, cfg.moe)
+    check_tensors(reader, tensors, cfg.model.tie_embeddings)
+    tokenizer = [hf_dir / f for f in TOKENIZER_FILES if (hf_dir / f).exists()]
+    if not any(f.name == "tokenizer.json" for f in tokenizer):
+        print(
+            f"warning: {hf_dir} has no tokenizer.json; {out} will have no tokenizer/",
+            file=sys.stderr,
+        )
+
+    stage = out.parent / f".{out.name}.converting-{os.getpid()}"
+    if stage.exists():
+        shutil.rmtree(stage)
+    scratch = stage / "scratch"
+    scratch.mkdir(parents=True)
+    try:
+        params = abstract_params(cfg)
+        target = np_dtype(dtype)
+        for t in tensors:
+            var = _leaf(params, t.path)
+            var.set_value(_mapped(reader, t, target, scratch))
+        handler = ocp.PyTreeCheckpointHandler(save_concurrent_gb=SAVE_CONCURRENT_GB)
+        ckptr = ocp.Checkpointer(
+            ocp.CompositeCheckpointHandler(state=handler, meta=ocp.JsonCheckpointHandler())
+        )
+        meta = {
+            "step": 0,
+            "config": config_lib.to_dict(cfg),
+            "converted_from": {"hf": str(hf_dir.resolve()), "dtype": dtype},
+        }
+        ckpt = stage / "checkpoint"
+        ckptr.save(
+            ckpt,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeSave({"params": params}),
+                meta=ocp.args.JsonSave(meta),
+            ),
+        )
+        ckptr.close()
+        del params
+        config_lib.save(cfg, ckpt / "config.yml")
+        if tokenizer:
+            (ckpt / "tokenizer").mkdir()
+            for f in tokenizer:
+                shutil.copy2(f, ckpt / "tokenizer" / f.name)
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        ckpt.rename(out)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return cfg
+
+
+def emit_config(cfg: Config) -> str:
+    """The config.yml text (self-contained: no base_config)."""
+    return str(yaml.safe_dump(config_lib.to_dict(cfg), sort_keys=False))

@@ -1,0 +1,173 @@
+"""A moetext orbax checkpoint -> Hugging Face Qwen3-MoE safetensors, streaming.
+
+    python -m moetext.convert orbax-to-hf --checkpoint DIR --out OUT [--config YML]
+        [--dtype bfloat16] [--max_shard_size_gb 5] [--overwrite]
+
+DIR is a run's `checkpoints/<step>/` or the output of hf-to-orbax (anything with `state/` and
+`meta/`). The config is the one saved in `meta/` unless --config names another (it must then
+describe the same shapes). OUT gets sharded safetensors (+ model.safetensors.index.json),
+config.json (released Qwen3-MoE spelling), generation_config.json and the tokenizer files
+(DIR/tokenizer/, or the run's RUN_DIR/tokenizer/ for a step directory).
+
+Parameters are restored one at a time (orbax partial restore of a single leaf, as NumPy), turned
+into HF tensors and written; a scan_layers checkpoint restores one stacked leaf ([L, ...] of one
+kind) at a time. Everything goes to a staging directory renamed to OUT at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+from moetext import config as config_lib
+from moetext.config.schema import Config
+from moetext.convert import safetensors_io
+from moetext.convert.hf_to_orbax import SHAPE_FIELDS, _refuse_existing, np_dtype
+from moetext.errors import ConfigError
+from moetext.models.qwen3_moe import hf as qwen3_hf
+from moetext.models.qwen3_moe.model import moe_layer_pattern, segments
+
+
+def read_checkpoint_config(ckpt: Path) -> Config:
+    path = ckpt / "meta" / "metadata"
+    if not (ckpt / "state").is_dir() or not path.exists():
+        raise ConfigError(
+            f"{ckpt} is not a moetext checkpoint (needs state/ and meta/: a run's "
+            "checkpoints/<step>/ or the output of hf-to-orbax)"
+        )
+    saved = json.loads(path.read_text()).get("config")
+    if saved is None:
+        raise ConfigError(f"{path} holds no config; pass --config")
+    return config_lib.from_dict(saved)
+
+
+def _check_same_shapes(saved: Config, given: Config, where: str) -> None:
+    bad = [
+        f"{section}.{name}: checkpoint {getattr(getattr(saved, section), name)!r}, "
+        f"{where} {getattr(getattr(given, section), name)!r}"
+        for section, fields in SHAPE_FIELDS.items()
+        for name in fields
+        if getattr(getattr(saved, section), name) != getattr(getattr(given, section), name)
+    ]
+    if bad:
+        raise ConfigError(f"{where} does not describe the checkpoint: " + "; ".join(bad))
+
+
+class _Params:
+    """Single-leaf restores from DIR/state as NumPy arrays."""
+
+    def __init__(self, state_dir: Path):
+        self.dir = state_dir
+        self.ckptr = ocp.PyTreeCheckpointer()
+        meta = self.ckptr.metadata(state_dir).item_metadata
+        tree = meta.tree if hasattr(meta, "tree") else meta
+        self.tree: dict[str, Any] = tree["params"]
+
+    def get(self, path: tuple[str | int, ...]) -> np.ndarray:
+        node: Any = {"value": 0}
+        for key in reversed(path):
+            node = {str(key): node}
+        item = {"params": node}
+        args = {"params": _map_leaf(node, ocp.RestoreArgs(restore_type=np.ndarray))}
+        restored = self.ckptr.restore(
+            self.dir,
+            args=ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True),
+        )
+        leaf: Any = restored["params"]
+        for key in path:
+            leaf = leaf[str(key)]
+        return np.asarray(leaf["value"])
+
+
+def _map_leaf(node: Any, value: Any) -> Any:
+    return {k: _map_leaf(v, value) for k, v in node.items()} if isinstance(node, dict) else value
+
+
+def moetext_arrays(params: _Params, cfg: Config) -> Iterator[tuple[qwen3_hf.Tensor, np.ndarray]]:
+    """Every tensor of the unscanned map with its array, one restored leaf at a time."""
+    tensors = qwen3_hf.tensor_map(cfg.model, cfg.moe)
+    if "layers" in params.tree or "stacks" not in params.tree:
+        for t in tensors:
+            yield t, params.get(t.path)
+        return
+    by_layer: dict[int, dict[tuple[str | int, ...], qwen3_hf.Tensor]] = {}
+    for t in tensors:
+        if t.path[0] == "layers":
+            by_layer.setdefault(int(t.path[1]), {})[t.path[2:]] = t
+        else:
+            yield t, params.get(t.path)
+    start = 0
+    for j, (_, count) in enumerate(segments(moe_layer_pattern(cfg.model))):
+        for sub in by_layer[start]:
+            stacked = params.get(("stacks", j, *sub))
+            for k in range(count):
+                yield by_layer[start + k][sub], stacked[k]
+        start += count
+
+
+def _tokenizer_dir(ckpt: Path) -> Path | None:
+    for d in (ckpt / "tokenizer", ckpt.parent.parent / "tokenizer"):
+        if d.is_dir():
+            return d
+    return None
+
+
+def orbax_to_hf(
+    checkpoint: str | Path,
+    out: str | Path,
+    *,
+    config_path: str | Path | None = None,
+    dtype: str | None = None,
+    max_shard_bytes: int = 5 * 10**9,
+    overwrite: bool = False,
+) -> list[Path]:
+    """Converts; returns the safetensors files (and index) written under OUT."""
+    ckpt, out = Path(checkpoint), Path(out)
+    if not ckpt.is_dir():
+        raise ConfigError(f"checkpoint directory {ckpt} does not exist")
+    cfg = read_checkpoint_config(ckpt)
+    if config_path is not None:
+        given = config_lib.load(config_path)
+        _check_same_shapes(cfg, given, str(config_path))
+        cfg = given
+    if cfg.model.family != "qwen3_moe":
+        raise ConfigError(f"model.family={cfg.model.family!r}: only qwen3_moe converts to HF")
+    params = _Params(ckpt / "state")
+    stored = np.dtype(params.tree["embed"]["value"].dtype).name
+    dtype = dtype or ("bfloat16" if stored == "bfloat16" else stored)
+    hf_config = qwen3_hf.config_to_hf(cfg.model, cfg.moe, dtype)
+    _refuse_existing(out, overwrite)
+    target = np_dtype(dtype)
+
+    def named() -> Iterator[tuple[str, np.ndarray]]:
+        for t, array in moetext_arrays(params, cfg):
+            yield from zip(t.hf_names, t.to_hf(array.astype(target)), strict=True)
+
+    stage = out.parent / f".{out.name}.converting-{os.getpid()}"
+    if stage.exists():
+        shutil.rmtree(stage)
+    stage.mkdir(parents=True)
+    try:
+        files = safetensors_io.write(stage, named(), max_shard_bytes=max_shard_bytes)
+        (stage / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        tok = _tokenizer_dir(ckpt)
+        if tok is not None:
+            for f in sorted(tok.iterdir()):
+                if f.is_file():
+                    shutil.copy2(f, stage / f.name)
+        if not (stage / "generation_config.json").exists():
+            gen = {"_from_model_config": True}
+            (stage / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        stage.rename(out)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return [out / f.name for f in files]
