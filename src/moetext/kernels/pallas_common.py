@@ -26,24 +26,26 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.typing import DTypeLike
 
 # interpret= of pl.pallas_call: False compiles with Mosaic, True runs the generic interpreter,
 # a pltpu.InterpretParams the TPU-faithful one (uninitialised VMEM is NaN, DMAs modelled).
 Interpret = bool | pltpu.InterpretParams
 IndexMap = Callable[..., tuple[Any, ...]]
 Ref = Any  # a Pallas kernel's view of one operand (VMEM or SMEM)
+Dimensions = tuple[Literal["parallel", "arbitrary"], ...]  # dimension_semantics of a grid
 
 # "parallel" axes may be split across a megacore's TensorCores; "arbitrary" ones run in order.
 # gmm revisits a row tile's output block on consecutive visits and accumulates K in place;
 # tgmm accumulates a group's output block over that group's consecutive visits.
-GMM_DIMENSIONS = ("parallel", "arbitrary", "arbitrary")
-TGMM_DIMENSIONS = ("parallel", "parallel", "arbitrary")
+GMM_DIMENSIONS: Dimensions = ("parallel", "arbitrary", "arbitrary")
+TGMM_DIMENSIONS: Dimensions = ("parallel", "parallel", "arbitrary")
 
 
 # --- tile arithmetic ---------------------------------------------------------------------------
@@ -236,7 +238,7 @@ def gmm_aliased_out(
     m: int,
     n: int,
     tiles: tuple[int, int, int],
-    out_dtype: jnp.dtype,
+    out_dtype: DTypeLike,
     interpret: Interpret,
 ) -> tuple[jax.Array, pl.BlockSpec, tuple[int, int]]:
     """The buffer a gmm output aliases: (init [M', N'], its BlockSpec, output shape M', N').

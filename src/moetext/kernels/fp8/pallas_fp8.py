@@ -25,17 +25,21 @@ aliased output are pallas_common's, shared with the bf16 pallas_tpu backend.
 from __future__ import annotations
 
 import functools
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.typing import ArrayLike, DTypeLike
 
 from moetext.kernels.gmm import tiling as tiling_lib
+from moetext.kernels.gmm.backend import Tiling, TilingArg
 from moetext.kernels.pallas_common import (
     GMM_DIMENSIONS,
     NUM_META,
     Interpret,
+    Ref,
     cdiv,
     gmm_aliased_out,
     gmm_block_specs,
@@ -48,6 +52,7 @@ from moetext.kernels.pallas_common import (
     round_up,
     split_refs,
 )
+from moetext.kernels.typed_jax import ShapeDtypeStruct
 
 # Chips whose MXU multiplies FP8 natively; elsewhere the tile is widened to bf16 in VMEM (exact:
 # every e4m3/e5m2 value is a bf16 value), which still halves HBM traffic against bf16 operands.
@@ -77,17 +82,28 @@ def _fit_block(dim: int, want: int, bs: int, op: str, name: str, given: bool) ->
     return t
 
 
-def fp8_tiling(op, tiling, m, k, n, chip, num_groups, bs, blocked: str):
+def fp8_tiling(
+    op: str,
+    tiling: TilingArg,
+    m: int,
+    k: int,
+    n: int,
+    chip: str,
+    num_groups: int,
+    bs: int,
+    blocked: Literal["k", "m"],
+) -> Tiling:
     """(tm, tk, tn) with the scale-blocked tile (tk if blocked == "k", tm if "m") a multiple
     of bs; an explicit tiling that breaks this is a ValueError."""
-    explicit = tiling is not None and not callable(tiling)
+    fixed = None if tiling is None or callable(tiling) else tiling
+    explicit = fixed is not None
     tm, tk, tn = tiling_lib.resolve_tiling(
         tiling, m, k, n, jnp.float8_e4m3fn, chip, num_groups=num_groups
     )
     if blocked == "k":
         tk = _fit_block(k, tk, bs, op, "tk", explicit)
     else:
-        tm = min(tiling[0] if explicit else tm, round_up(m, bs))
+        tm = min(tm if fixed is None else fixed[0], round_up(m, bs))
         if tm % bs:
             if explicit:
                 raise ValueError(f"{op}: tm={tm} must be a multiple of block_size={bs}")
@@ -96,24 +112,25 @@ def fp8_tiling(op, tiling, m, k, n, chip, num_groups, bs, blocked: str):
 
 
 def gmm_fp8(
-    lhs_q,
-    lhs_scale,
-    rhs_q,
-    rhs_scale,
-    group_sizes,
+    lhs_q: jax.Array,
+    lhs_scale: jax.Array,
+    rhs_q: jax.Array,
+    rhs_scale: jax.Array,
+    group_sizes: jax.Array,
     *,
-    group_offset=0,
-    transpose_rhs=False,
-    block_size=128,
-    tiling=None,
-    preferred_element_type=jnp.bfloat16,
-    interpret=None,
-    chip=None,
-):
+    group_offset: ArrayLike = 0,
+    transpose_rhs: bool = False,
+    block_size: int = 128,
+    tiling: TilingArg = None,
+    preferred_element_type: DTypeLike = jnp.bfloat16,
+    interpret: Interpret | None = None,
+    chip: str | None = None,
+) -> jax.Array:
     """[M, N] = per-group lhs @ rhs on FP8 values: lhs_q [M, K], lhs_scale [M, K/bs];
     rhs_q [L, K, N] with rhs_scale [L, K/bs, N], or [L, N, K] with [L, N, K/bs] when
-    transpose_rhs. K must be a multiple of block_size (QuantizedGmm pads). Rows outside the
-    local groups are zero."""
+    transpose_rhs. K must be a multiple of block_size: fp8_blockwise's caller,
+    `PallasFp8Kernels.gmm` (fp8/scaled_kernels.py), pads K to whole blocks with FP8 zeros. Rows
+    outside the local groups are zero."""
     bs = int(block_size)
     (m, k), num_local = lhs_q.shape, rhs_q.shape[0]
     n = rhs_q.shape[1] if transpose_rhs else rhs_q.shape[2]
@@ -168,9 +185,9 @@ def gmm_fp8(
         transpose_rhs=transpose_rhs,
         mxu=mxu_dtype(chip, interpret),
     )
-    return pl.pallas_call(
+    out_MN: jax.Array = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(out_mn, out_dtype),
+        out_shape=ShapeDtypeStruct(out_mn, out_dtype),
         grid_spec=grouped_grid_spec(
             (cdiv(n, tn), t_max, k // tk),
             [lhs_spec, ls_spec, rhs_spec, rs_spec, init_spec],
@@ -189,16 +206,19 @@ def gmm_fp8(
             bytes_accessed=t_max * (tm * k * cdiv(n, tn) + k * n) + m * n * out_dtype.itemsize,
         ),
         name="moetext_gmm_fp8",
-    )(*meta, lhs_q, ls, rhs_q, rs, init_MN)[:m, :n]
+    )(*meta, lhs_q, ls, rhs_q, rs, init_MN)
+    return out_MN[:m, :n]
 
 
-def _gmm_kernel(*refs, tm, bs, sb, transpose_rhs, mxu):
+def _gmm_kernel(
+    *refs: Ref, tm: int, bs: int, sb: int, transpose_rhs: bool, mxu: jnp.dtype | None
+) -> None:
     """acc[tm, tn] += (lhs[:, kb] @ rhs[kb, :]) * ls[kb][tm, 1] * rs[kb][1, tn] for the sb
     scale blocks kb of the K tile."""
     meta, (lhs_ref, ls_ref, rhs_ref, rs_ref, _init_ref, out_ref, acc_ref) = split_refs(refs)
     ki = pl.program_id(2)
 
-    def accumulate():
+    def accumulate() -> None:
         acc = acc_ref[...]
         ls, rs = ls_ref[...], rs_ref[...]  # [tm, nb], [nb, tn]
         for s in range(sb):  # subchannel loop: one scale block of the contraction at a time
@@ -217,13 +237,14 @@ def _gmm_kernel(*refs, tm, bs, sb, transpose_rhs, mxu):
             acc += part * pick_scale(ls, kb, axis=1) * pick_scale(rs, kb, axis=0)
         acc_ref[...] = acc
 
-    def zeros():  # the aliased init is never read: tiles no visit touches keep its zeros
+    # The aliased init is never read: tiles no visit touches keep its zeros.
+    def zeros() -> jax.Array:
         return jnp.zeros(out_ref.shape, out_ref.dtype)
 
     gmm_step(meta, out_ref, acc_ref, tm=tm, accumulate=accumulate, base=zeros)
 
 
-def pick_scale(scales, idx, *, axis: int):
+def pick_scale(scales: jax.Array, idx: jax.Array, *, axis: int) -> jax.Array:
     """Entry idx of `axis` as a broadcastable column (axis=1) or row (axis=0), by masked sum."""
     pos = jax.lax.broadcasted_iota(jnp.int32, scales.shape, axis)
     return jnp.sum(jnp.where(pos == idx, scales, 0.0), axis=axis, keepdims=True)

@@ -13,11 +13,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.typing import ArrayLike, DTypeLike
 
 from moetext.kernels.fp8.pallas_fp8 import fp8_tiling, mxu_dtype, pick_scale
 from moetext.kernels.gmm import tiling as tiling_lib
+from moetext.kernels.gmm.backend import TilingArg
 from moetext.kernels.pallas_common import (
     TGMM_DIMENSIONS,
+    Interpret,
+    Ref,
     cdiv,
     grouped_grid_spec,
     make_group_metadata,
@@ -29,23 +33,24 @@ from moetext.kernels.pallas_common import (
     tgmm_step,
     zero_rows_outside,
 )
+from moetext.kernels.typed_jax import ShapeDtypeStruct
 
 
 def tgmm_fp8(
-    lhs_q,
-    lhs_scale,
-    rhs_q,
-    rhs_scale,
-    group_sizes,
+    lhs_q: jax.Array,
+    lhs_scale: jax.Array,
+    rhs_q: jax.Array,
+    rhs_scale: jax.Array,
+    group_sizes: jax.Array,
     *,
-    num_groups,
-    group_offset=0,
-    block_size=128,
-    tiling=None,
-    preferred_element_type=jnp.float32,
-    interpret=None,
-    chip=None,
-):
+    num_groups: int,
+    group_offset: ArrayLike = 0,
+    block_size: int = 128,
+    tiling: TilingArg = None,
+    preferred_element_type: DTypeLike = jnp.float32,
+    interpret: Interpret | None = None,
+    chip: str | None = None,
+) -> jax.Array:
     """[L, K, N] = per-group lhs.T @ rhs on FP8 values blocked along M (the reduction axis):
     lhs_q [M, K] with lhs_scale [cdiv(M, bs), K]; rhs_q [M, N] with rhs_scale [cdiv(M, bs), N].
     Empty groups give zeros."""
@@ -93,9 +98,9 @@ def tgmm_fp8(
         (tk, tn),
     )
     t_max = max_visits(m, tm, num_groups)
-    return pl.pallas_call(
+    out_LKN: jax.Array = pl.pallas_call(
         functools.partial(_tgmm_kernel, tm=tm, bs=bs, sb=sb, mxu=mxu_dtype(chip, interpret)),
-        out_shape=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
+        out_shape=ShapeDtypeStruct((num_groups, k, n), out_dtype),
         grid_spec=grouped_grid_spec(
             (cdiv(k, tk), cdiv(n, tn), t_max),
             [lhs_spec, ls_spec, rhs_spec, rs_spec],
@@ -115,14 +120,15 @@ def tgmm_fp8(
         ),
         name="moetext_tgmm_fp8",
     )(*meta, lhs_q, ls, rhs_q, rs)
+    return out_LKN
 
 
-def _tgmm_kernel(*refs, tm, bs, sb, mxu):
+def _tgmm_kernel(*refs: Ref, tm: int, bs: int, sb: int, mxu: jnp.dtype | None) -> None:
     """acc[tk, tn] += (lhs[mb, :].T @ rhs[mb, :]) * ls[mb][tk, 1] * rs[mb][1, tn] for the sb
     scale blocks mb of the row tile, over the rows of the visited group."""
     meta, (lhs_ref, ls_ref, rhs_ref, rs_ref, out_ref, acc_ref) = split_refs(refs)
 
-    def accumulate(tile, start, end):
+    def accumulate(tile: jax.Array, start: jax.Array, end: jax.Array) -> None:
         acc = acc_ref[...]
         ls, rs = ls_ref[...], rs_ref[...]  # [tk, Mb], [Mb, tn]: every row block's scales
         for s in range(sb):  # subchannel loop along M: each bs-row block has its own scales

@@ -26,8 +26,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
-from moetext.kernels.fp8.quantize import E4M3, Quantized, _pad_to, _scale_from_amax, _to_fp8, cdiv
+from moetext.kernels.fp8.quantize import E4M3, Quantized, _pad_to, cdiv
+from moetext.kernels.fp8.scaling import scale_from_amax, to_fp8
 from moetext.kernels.gmm.gather import Gather, all_gather_dims, check_gather
 
 
@@ -35,10 +37,11 @@ def _blocked_dims(ndim: int, axis: int | None) -> tuple[int, ...]:
     return (ndim - 2, ndim - 1) if axis is None else (axis % ndim,)
 
 
-def _sub_blocks(x, sub: dict[int, int]):
+def _sub_blocks(x: jax.Array, sub: dict[int, int]) -> tuple[jax.Array, jax.Array, tuple[int, ...]]:
     """x zero-padded and reshaped so blocked dim d becomes (count, sub[d]); the sub axes."""
     xp = _pad_to(x, {d: cdiv(x.shape[d], sb) * sb for d, sb in sub.items()})
-    shape, red = [], []
+    shape: list[int] = []
+    red: list[int] = []
     for d, n in enumerate(xp.shape):
         if d in sub:
             shape += [n // sub[d], sub[d]]
@@ -49,7 +52,12 @@ def _sub_blocks(x, sub: dict[int, int]):
 
 
 def quantized_all_gather(
-    x: jax.Array, gather: Gather, *, axis: int | None, block_size: int = 128, dtype=E4M3
+    x: jax.Array,
+    gather: Gather,
+    *,
+    axis: int | None,
+    block_size: int = 128,
+    dtype: DTypeLike = E4M3,
 ) -> Quantized:
     """Quantized.of(all_gather_dims(x, gather), axis=axis, ...) with FP8 on the wire.
 
@@ -72,7 +80,7 @@ def quantized_all_gather(
             nb = cdiv(amax.shape[d] * sub[d], bs)  # blocks along the gathered N
             amax = _pad_to(amax, {d: nb * r})
             amax = jnp.max(amax.reshape(amax.shape[:d] + (nb, r) + amax.shape[d + 1 :]), d + 1)
-    scale = _scale_from_amax(amax.astype(jnp.float32), dtype)
+    scale = scale_from_amax(amax.astype(jnp.float32), dtype)
     # 4: this slice's sub-block scales, then its FP8 values, gathered.
     s_loc = scale
     for d, axes in gather:
@@ -83,6 +91,6 @@ def quantized_all_gather(
             s_loc = jnp.take(s_loc, idx, axis=d)
         else:
             s_loc = jax.lax.dynamic_slice_in_dim(s_loc, p * n, n, axis=d)
-    q = _to_fp8(view, jnp.expand_dims(s_loc, red), dtype).reshape(xp.shape)
+    q = to_fp8(view, jnp.expand_dims(s_loc, red), dtype).reshape(xp.shape)
     q = q[tuple(slice(0, n) for n in x.shape)]
     return Quantized(all_gather_dims(q, gather), scale, None if axis is None else blocked[0], bs)

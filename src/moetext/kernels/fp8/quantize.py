@@ -1,11 +1,13 @@
-"""Symmetric absmax FP8 quantization: block-wise (quantize, dual_quantize), per tensor.
+"""Symmetric absmax FP8 quantization: block-wise (quantize, quantize_tiles, dual_quantize) and
+per tensor (quantize_tensorwise).
 
 Legend: n the length of the quantized axis, bs the block size, nb = cdiv(n, bs) blocks.
 
 A block is 1 x bs consecutive elements along `axis` (or bs x bs tiles, `quantize_tiles`).
 scale = amax(|block|) * float32(1 / max_finite(dtype)) in float32, qvalue = x * float32(1 /
-scale) rounded to `dtype` (nearest even, saturating), dequantize(q, s) = q * s.
-Conventions (docs/kernels.md, "FP8"):
+scale) rounded to `dtype` (nearest even, saturating), dequantize(q, s) = q * s; the rule is
+scaling.py's, shared with QAG and the Pallas quantize kernel.
+Conventions (docs/kernels.md, "Quantization recipes and FP8"):
   * ragged tail: n need not divide by bs; the last block covers the n % bs remaining elements
     (as if zero-padded, zeros never change an absmax). qvalue keeps x's shape, scale has nb.
   * all-zero block: scale 1.0 (q = 0, dequantizes to exact zeros, never 0/0).
@@ -18,26 +20,22 @@ Conventions (docs/kernels.md, "FP8"):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.typing import DTypeLike
 
 from moetext.kernels.fp8.quantize_pallas import quantize_minor
+from moetext.kernels.fp8.scaling import scale_from_amax, to_fp8
+from moetext.kernels.pallas_common import Interpret
 from moetext.kernels.pallas_common import cdiv as cdiv  # re-exported: qag imports it from here
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
-_TINY = float(np.finfo(np.float32).tiny)
 
 
-def max_finite(dtype) -> float:
-    return float(jnp.finfo(dtype).max)
-
-
-def _check_args(x, axis: int, block_size: int, dtype) -> int:
+def _check_args(x: jax.Array, axis: int, block_size: int, dtype: DTypeLike) -> int:
     if x.ndim == 0:
         raise ValueError(f"quantize: x must have at least one axis, got a scalar {x.shape}")
     if not -x.ndim <= axis < x.ndim:
@@ -49,38 +47,20 @@ def _check_args(x, axis: int, block_size: int, dtype) -> int:
     return axis % x.ndim
 
 
-def _scale_from_amax(amax, dtype):
-    # Multiplying by the float32 reciprocal (not dividing) pins the rounding: XLA rewrites
-    # division by a constant into exactly this, so the oracle can match bit for bit.
-    # NaN/inf amax must survive (where on `amax == 0` and maximum both keep NaN) so a
-    # non-finite block dequantizes to NaN instead of to plausible garbage.
-    scale = jnp.maximum(amax * np.float32(1 / max_finite(dtype)), _TINY)
-    return jnp.where(amax == 0, jnp.float32(1), scale).astype(jnp.float32)
-
-
-def _to_fp8(x, scale, dtype):
-    fmax = max_finite(dtype)
-    # x * (1 / scale), not x / scale: XLA turns a broadcast division into exactly this inside
-    # fusions (but not op by op), so spelling it out gives the same FP8 value everywhere and
-    # lets the oracle match bit for bit. Clipping matters: the product can round a hair above
-    # fmax, and a value past fmax converts to NaN in e4m3fn (it has no inf).
-    return jnp.clip(x.astype(jnp.float32) * (1 / scale), -fmax, fmax).astype(dtype)
-
-
-def _pad_to(x, sizes: dict[int, int]):
+def _pad_to(x: jax.Array, sizes: dict[int, int]) -> jax.Array:
     """Zero-pads axes up to sizes (a no-op, so no copy, when they already fit)."""
     pad = [(0, sizes.get(a, d) - d) for a, d in enumerate(x.shape)]
     return jnp.pad(x, pad) if any(hi for _, hi in pad) else x
 
 
-def _amax(x, axis):
+def _amax(x: jax.Array, axis: int | tuple[int, ...]) -> jax.Array:
     # |x| and max are exact in x's own dtype; upcasting after the reduction keeps XLA from
     # materialising a float32 copy of x (2x a bf16 activation) shared by amax and the cast.
     return jnp.max(jnp.abs(x), axis=axis).astype(jnp.float32)
 
 
-def _check_finite(x, op: str) -> None:
-    def check(bad):
+def _check_finite(x: jax.Array, op: str) -> None:
+    def check(bad: jax.Array) -> None:
         if bad:
             raise ValueError(f"{op}: input holds inf or NaN (checked=True)")
 
@@ -88,15 +68,15 @@ def _check_finite(x, op: str) -> None:
 
 
 def quantize(
-    x,
+    x: jax.Array,
     *,
     axis: int = -1,
     block_size: int = 128,
-    dtype=E4M3,
+    dtype: DTypeLike = E4M3,
     checked: bool = False,
     impl: str = "auto",
-    interpret=None,
-):
+    interpret: Interpret | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """(qvalue, scale): absmax FP8 quantization per 1 x block_size block along `axis`.
 
     qvalue has x's shape and `dtype`; scale is float32 with x's shape except nb blocks on axis.
@@ -117,8 +97,8 @@ def quantize(
     nb = cdiv(n, bs)
     xp = _pad_to(x, {axis: nb * bs})
     xb = xp.reshape(x.shape[:axis] + (nb, bs) + x.shape[axis + 1 :])
-    scale = _scale_from_amax(_amax(xb, axis + 1), dtype)
-    q = _to_fp8(xb, jnp.expand_dims(scale, axis + 1), dtype).reshape(xp.shape)
+    scale = scale_from_amax(_amax(xb, axis + 1), dtype)
+    q = to_fp8(xb, jnp.expand_dims(scale, axis + 1), dtype).reshape(xp.shape)
     return jax.lax.slice_in_dim(q, 0, n, axis=axis), scale
 
 
@@ -134,21 +114,28 @@ def quantize_tensorwise(
     """
     _check_args(x, -1, 1, dtype)
     axes = tuple(range(x.ndim)) if axes is None else tuple(sorted(a % x.ndim for a in axes))
-    scale = _scale_from_amax(_amax_keepdims(x, axes), dtype)
-    return _to_fp8(x, scale, dtype), scale
+    scale = scale_from_amax(_amax_keepdims(x, axes), dtype)
+    return to_fp8(x, scale, dtype), scale
 
 
 def _amax_keepdims(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
     return jnp.max(jnp.abs(x), axis=axes, keepdims=True).astype(jnp.float32)
 
 
-def expand_scale(scale, n: int, *, axis: int = -1, block_size: int = 128):
+def expand_scale(scale: jax.Array, n: int, *, axis: int = -1, block_size: int = 128) -> jax.Array:
     """Per-block scales repeated to per-element along `axis`, cut to length n."""
     s = jnp.repeat(scale, int(block_size), axis=axis)
     return jax.lax.slice_in_dim(s, 0, n, axis=axis % scale.ndim)
 
 
-def dequantize(qvalue, scale, *, axis: int = -1, block_size: int = 128, dtype=jnp.bfloat16):
+def dequantize(
+    qvalue: jax.Array,
+    scale: jax.Array,
+    *,
+    axis: int = -1,
+    block_size: int = 128,
+    dtype: DTypeLike = jnp.bfloat16,
+) -> jax.Array:
     """qvalue * scale (scale broadcast over each block of `axis`), cast to `dtype`."""
     axis %= qvalue.ndim
     nb = cdiv(qvalue.shape[axis], int(block_size))
@@ -162,7 +149,9 @@ def dequantize(qvalue, scale, *, axis: int = -1, block_size: int = 128, dtype=jn
     return (qvalue.astype(jnp.float32) * s).astype(dtype)
 
 
-def quantize_tiles(x, *, block_size: int = 128, dtype=E4M3, checked: bool = False):
+def quantize_tiles(
+    x: jax.Array, *, block_size: int = 128, dtype: DTypeLike = E4M3, checked: bool = False
+) -> tuple[jax.Array, jax.Array]:
     """(qvalue, scale) with one scale per block_size x block_size tile of the last two axes.
 
     scale: [..., cdiv(R, bs), cdiv(C, bs)] float32. A tile scale serves a matmul contracting
@@ -177,12 +166,14 @@ def quantize_tiles(x, *, block_size: int = 128, dtype=E4M3, checked: bool = Fals
     rb, cb = cdiv(r, bs), cdiv(c, bs)
     xp = _pad_to(x, {x.ndim - 2: rb * bs, x.ndim - 1: cb * bs})
     xt = xp.reshape(x.shape[:-2] + (rb, bs, cb, bs))
-    scale = _scale_from_amax(_amax(xt, (-3, -1)), dtype)
-    q = _to_fp8(xt, scale[..., :, None, :, None], dtype).reshape(xp.shape)
+    scale = scale_from_amax(_amax(xt, (-3, -1)), dtype)
+    q = to_fp8(xt, scale[..., :, None, :, None], dtype).reshape(xp.shape)
     return q[..., :r, :c], scale
 
 
-def dequantize_tiles(qvalue, scale, *, block_size: int = 128, dtype=jnp.bfloat16):
+def dequantize_tiles(
+    qvalue: jax.Array, scale: jax.Array, *, block_size: int = 128, dtype: DTypeLike = jnp.bfloat16
+) -> jax.Array:
     r, c = qvalue.shape[-2:]
     s = expand_scale(
         expand_scale(scale, r, axis=-2, block_size=block_size), c, axis=-1, block_size=block_size
@@ -212,7 +203,7 @@ class Quantized:
         block_size: int = 128,
         dtype: DTypeLike = E4M3,
         impl: str = "auto",
-        interpret: Any = None,
+        interpret: Interpret | None = None,
     ) -> Quantized:
         if axis is None:
             q, s = quantize_tiles(x, block_size=block_size, dtype=dtype)
@@ -246,7 +237,7 @@ class DualQuantized(NamedTuple):
     colwise: Quantized
 
 
-def dual_quantize(x, *, block_size: int = 128, dtype=E4M3) -> DualQuantized:
+def dual_quantize(x: jax.Array, *, block_size: int = 128, dtype: DTypeLike = E4M3) -> DualQuantized:
     """Rowwise and columnwise block quantizations of x (rank >= 2), both from x itself."""
     if x.ndim < 2:
         raise ValueError(f"dual_quantize: x must have at least two axes, got shape {x.shape}")

@@ -7,8 +7,7 @@ Why a kernel: XLA on TPU lowers an amax over 128-lane segments of the minor dim 
 broadcast of the scale back over them) with a full-size float32 relayout copy of the input:
 2 GiB of temporaries per bf16 GiB quantized (measured on v5p AOT compiles, docs/kernels.md).
 Here each row tile is read once into VMEM, and each bs-lane slice's amax is a lane reduction
-of a (tr, bs) tile. Same math as quantize.py (scale = amax * f32(1 / fmax), floored at the
-smallest normal float32, 1 for all-zero blocks; q = clip(x * (1 / scale))).
+of a (tr, bs) tile. The scale and the rounding are scaling.py's, as in quantize.py's XLA path.
 """
 
 from __future__ import annotations
@@ -17,17 +16,20 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.typing import DTypeLike
 
-from moetext.kernels.pallas_common import cdiv, resolve_interpret
+from moetext.kernels.fp8.scaling import scale_from_amax, to_fp8
+from moetext.kernels.pallas_common import Interpret, Ref, cdiv, resolve_interpret
+from moetext.kernels.typed_jax import ShapeDtypeStruct
 
-_TINY = float(np.finfo(np.float32).tiny)
 _TILE_BYTES = 2 << 20  # float32 bytes of one row tile in VMEM
 
 
-def quantize_minor(x, *, block_size: int, dtype, interpret=None):
+def quantize_minor(
+    x: jax.Array, *, block_size: int, dtype: DTypeLike, interpret: Interpret | None = None
+) -> tuple[jax.Array, jax.Array]:
     """(qvalue, scale) for blocks along x's last axis; that axis must divide by block_size."""
     *lead, c = x.shape
     bs = int(block_size)
@@ -38,9 +40,11 @@ def quantize_minor(x, *, block_size: int, dtype, interpret=None):
     r = x2.shape[0]
     tr = max(32, min(1024, _TILE_BYTES // (4 * c)) // 32 * 32)
     tr = r if r <= tr else tr  # a block equal to the full dim is always legal
+    q: jax.Array
+    s: jax.Array
     q, s = pl.pallas_call(
-        functools.partial(_kernel, bs=bs, nb=nb, fmax=float(jnp.finfo(dtype).max)),
-        out_shape=(jax.ShapeDtypeStruct((r, c), dtype), jax.ShapeDtypeStruct((r, nb), jnp.float32)),
+        functools.partial(_kernel, bs=bs, nb=nb),
+        out_shape=(ShapeDtypeStruct((r, c), dtype), ShapeDtypeStruct((r, nb), jnp.float32)),
         grid=(cdiv(r, tr),),
         in_specs=[pl.BlockSpec((tr, c), lambda i: (i, 0))],
         out_specs=(
@@ -54,7 +58,7 @@ def quantize_minor(x, *, block_size: int, dtype, interpret=None):
     return q.reshape(x.shape), s.reshape(*lead, nb)
 
 
-def _kernel(x_ref, q_ref, s_ref, *, bs, nb, fmax):
+def _kernel(x_ref: Ref, q_ref: Ref, s_ref: Ref, *, bs: int, nb: int) -> None:
     lane = jax.lax.broadcasted_iota(jnp.int32, s_ref.shape, 1)
     scales = jnp.ones(s_ref.shape, jnp.float32)
     for j in range(nb):  # static: one bs-lane slice per step, a lane reduction each
@@ -63,9 +67,7 @@ def _kernel(x_ref, q_ref, s_ref, *, bs, nb, fmax):
         # max may drop NaN (maxNum semantics); x * 0 is NaN exactly for inf/NaN x, so this sum
         # makes a non-finite block's scale NaN, as in the XLA path.
         amax = amax + jnp.sum(blk * 0, axis=1, keepdims=True)
-        scale = jnp.maximum(amax * np.float32(1 / fmax), _TINY)
-        scale = jnp.where(amax == 0, jnp.float32(1), scale)
-        q = jnp.clip(blk * (1 / scale), -fmax, fmax)
-        q_ref[:, j * bs : (j + 1) * bs] = q.astype(q_ref.dtype)
+        scale = scale_from_amax(amax, q_ref.dtype)
+        q_ref[:, j * bs : (j + 1) * bs] = to_fp8(blk, scale, q_ref.dtype)
         scales = jnp.where(lane == j, scale, scales)
     s_ref[...] = scales

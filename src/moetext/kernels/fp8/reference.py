@@ -3,31 +3,50 @@
 Legend: M rows (sorted by group), K contraction, N outputs, G groups (G_local = L local groups
 starting at group_offset), bs block size, nb number of blocks.
 
-These follow the definitions in quantize.py literally: per-block amax, scale = amax * float32(1 /
-fmax) in float32 (the stored precision), float32(x * float32(1 / scale)) rounded to FP8 by
-ml_dtypes (round to nearest even, saturated at max_finite). The matmul oracles multiply the
-dequantized operands in float64, which is what an exact FP8 dot with per-block scales computes.
+These follow the definitions in scaling.py and quantize.py literally: per-block amax, scale =
+amax * float32(1 / fmax) in float32 (the stored precision), float32(x * float32(1 / scale))
+clipped to +-fmax and rounded to FP8 by ml_dtypes (round to nearest even). The matmul oracles
+multiply the dequantized operands in float64, which is what an exact FP8 dot with per-block
+scales computes.
 """
 
 from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+import numpy.typing as npt
+
+from moetext.kernels.typed_jax import finfo
+
+F64 = npt.NDArray[np.float64]
+F32 = npt.NDArray[np.float32]
 
 _TINY = np.finfo(np.float32).tiny
+_FP8: dict[str, type[np.generic]] = {
+    "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+    "float8_e5m2": ml_dtypes.float8_e5m2,
+}
 
 
-def _fp8(dtype):
-    return {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}[
-        np.dtype(dtype).name
-    ]
+def _fp8(dtype: npt.DTypeLike) -> type[np.generic]:
+    return _FP8[np.dtype(dtype).name]
 
 
-def quantize_reference(x, *, axis=-1, block_size=128, dtype=ml_dtypes.float8_e4m3fn):
+def _fmax(fp8: type[np.generic]) -> float:
+    return float(finfo(fp8).max)
+
+
+def quantize_reference(
+    x: npt.ArrayLike,
+    *,
+    axis: int = -1,
+    block_size: int = 128,
+    dtype: npt.DTypeLike = ml_dtypes.float8_e4m3fn,
+) -> tuple[F64, F32]:
     """(qvalue as float64, scale as float32) for 1 x block_size blocks along axis."""
     x = np.asarray(x, np.float64)
     fp8 = _fp8(dtype)
-    fmax = float(ml_dtypes.finfo(fp8).max)
+    fmax = _fmax(fp8)
     x = np.moveaxis(x, axis, -1)
     n = x.shape[-1]
     nb = -(-n // block_size)
@@ -44,11 +63,16 @@ def quantize_reference(x, *, axis=-1, block_size=128, dtype=ml_dtypes.float8_e4m
     return np.moveaxis(q, -1, axis), np.moveaxis(scale, -1, axis)
 
 
-def quantize_tensorwise_reference(x, *, axes=None, dtype=ml_dtypes.float8_e4m3fn):
+def quantize_tensorwise_reference(
+    x: npt.ArrayLike,
+    *,
+    axes: tuple[int, ...] | None = None,
+    dtype: npt.DTypeLike = ml_dtypes.float8_e4m3fn,
+) -> tuple[F64, F32]:
     """(qvalue as float64, scale as float32 with x's rank): one scale per slice over axes
     (None: the whole tensor), quantized like quantize_reference."""
     x = np.asarray(x, np.float64)
-    fmax = float(ml_dtypes.finfo(_fp8(dtype)).max)
+    fmax = _fmax(_fp8(dtype))
     axes = tuple(range(x.ndim)) if axes is None else tuple(a % x.ndim for a in axes)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         amax = np.max(np.abs(x), axis=axes, keepdims=True)
@@ -58,12 +82,14 @@ def quantize_tensorwise_reference(x, *, axes=None, dtype=ml_dtypes.float8_e4m3fn
     return q.astype(_fp8(dtype)).astype(np.float64), scale
 
 
-def quantize_tiles_reference(x, *, block_size=128, dtype=ml_dtypes.float8_e4m3fn):
+def quantize_tiles_reference(
+    x: npt.ArrayLike, *, block_size: int = 128, dtype: npt.DTypeLike = ml_dtypes.float8_e4m3fn
+) -> tuple[F64, F32]:
     """(qvalue as float64, scale as float32) for block_size x block_size tiles of the last two
     axes: tile scales come from the tile amax; values are then quantized like quantize_reference
     with each element's tile scale."""
     x = np.asarray(x, np.float64)
-    fmax = float(ml_dtypes.finfo(_fp8(dtype)).max)
+    fmax = _fmax(_fp8(dtype))
     (r, c), bs = x.shape[-2:], block_size
     rb, cb = -(-r // bs), -(-c // bs)
     xp = np.zeros(x.shape[:-2] + (rb * bs, cb * bs))
@@ -79,20 +105,26 @@ def quantize_tiles_reference(x, *, block_size=128, dtype=ml_dtypes.float8_e4m3fn
     return q, scale
 
 
-def dequantize_tiles_reference(q, scale, *, block_size=128):
+def dequantize_tiles_reference(
+    q: npt.ArrayLike, scale: npt.ArrayLike, *, block_size: int = 128
+) -> F64:
     q = np.asarray(q, np.float64)
     s = np.repeat(np.repeat(np.asarray(scale, np.float64), block_size, -2), block_size, -1)
     return q * s[..., : q.shape[-2], : q.shape[-1]]
 
 
-def dequantize_reference(q, scale, *, axis=-1, block_size=128):
+def dequantize_reference(
+    q: npt.ArrayLike, scale: npt.ArrayLike, *, axis: int = -1, block_size: int = 128
+) -> F64:
     q = np.moveaxis(np.asarray(q, np.float64), axis, -1)
     s = np.repeat(np.moveaxis(np.asarray(scale, np.float64), axis, -1), block_size, axis=-1)
     with np.errstate(invalid="ignore"):
         return np.moveaxis(q * s[..., : q.shape[-1]], -1, axis)
 
 
-def _windows(group_sizes, group_offset, num_local, m):
+def _windows(
+    group_sizes: npt.ArrayLike, group_offset: int, num_local: int, m: int
+) -> list[tuple[int, int]]:
     gs = np.asarray(group_sizes, np.int64)
     ends = np.minimum(np.cumsum(gs), m)
     starts = np.minimum(ends - gs, m)
@@ -104,16 +136,16 @@ def _windows(group_sizes, group_offset, num_local, m):
 
 
 def gmm_fp8_reference(
-    lhs_q,
-    lhs_scale,
-    rhs_q,
-    rhs_scale,
-    group_sizes,
+    lhs_q: npt.ArrayLike,
+    lhs_scale: npt.ArrayLike,
+    rhs_q: npt.ArrayLike,
+    rhs_scale: npt.ArrayLike,
+    group_sizes: npt.ArrayLike,
     *,
-    group_offset=0,
-    transpose_rhs=False,
-    block_size=128,
-):
+    group_offset: int = 0,
+    transpose_rhs: bool = False,
+    block_size: int = 128,
+) -> F64:
     """float64 [M, N]: lhs [M, K] with scales [M, nb]; rhs [L, K, N] with scales [L, nb, N]
     ([L, N, K] with scales [L, N, nb] when transpose_rhs). Rows outside local groups are 0."""
     lhs = dequantize_reference(lhs_q, lhs_scale, axis=1, block_size=block_size)
@@ -130,8 +162,16 @@ def gmm_fp8_reference(
 
 
 def tgmm_fp8_reference(
-    lhs_q, lhs_scale, rhs_q, rhs_scale, group_sizes, *, num_groups, group_offset=0, block_size=128
-):
+    lhs_q: npt.ArrayLike,
+    lhs_scale: npt.ArrayLike,
+    rhs_q: npt.ArrayLike,
+    rhs_scale: npt.ArrayLike,
+    group_sizes: npt.ArrayLike,
+    *,
+    num_groups: int,
+    group_offset: int = 0,
+    block_size: int = 128,
+) -> F64:
     """float64 [L, K, N]: lhs [M, K] with scales [nb, K], rhs [M, N] with scales [nb, N]
     (blocks along M, the reduction axis)."""
     lhs = dequantize_reference(lhs_q, lhs_scale, axis=0, block_size=block_size)
@@ -143,7 +183,14 @@ def tgmm_fp8_reference(
     return out
 
 
-def gmm_reference_f64(lhs, rhs, group_sizes, *, group_offset=0, transpose_rhs=False):
+def gmm_reference_f64(
+    lhs: npt.ArrayLike,
+    rhs: npt.ArrayLike,
+    group_sizes: npt.ArrayLike,
+    *,
+    group_offset: int = 0,
+    transpose_rhs: bool = False,
+) -> F64:
     """Unquantized float64 grouped matmul, for measuring quantization error."""
     lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
     if transpose_rhs:
@@ -154,7 +201,14 @@ def gmm_reference_f64(lhs, rhs, group_sizes, *, group_offset=0, transpose_rhs=Fa
     return out
 
 
-def tgmm_reference_f64(lhs, rhs, group_sizes, *, num_groups, group_offset=0):
+def tgmm_reference_f64(
+    lhs: npt.ArrayLike,
+    rhs: npt.ArrayLike,
+    group_sizes: npt.ArrayLike,
+    *,
+    num_groups: int,
+    group_offset: int = 0,
+) -> F64:
     lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
     out = np.zeros((num_groups, lhs.shape[1], rhs.shape[1]))
     for i, (s, e) in enumerate(_windows(group_sizes, group_offset, num_groups, lhs.shape[0])):

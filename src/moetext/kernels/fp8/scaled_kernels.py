@@ -14,20 +14,16 @@ Legend: M rows (sorted by group), K contraction, N outputs, L local groups, bs b
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from moetext.kernels.fp8 import pallas_fp8, pallas_tgmm_fp8
+from moetext.kernels.fp8.pallas_fp8 import gmm_fp8
+from moetext.kernels.fp8.pallas_tgmm_fp8 import tgmm_fp8
 from moetext.kernels.fp8.quantize import Quantized
 from moetext.kernels.gmm.backend import GmmBackend, TilingArg
-
-# The Pallas entry points take untyped arguments; their results are arrays.
-_gmm_fp8: Callable[..., jax.Array] = pallas_fp8.gmm_fp8
-_tgmm_fp8: Callable[..., jax.Array] = pallas_tgmm_fp8.tgmm_fp8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +46,7 @@ class DequantizedKernels:
         rhs: Quantized,
         group_sizes: jax.Array,
         *,
-        preferred_element_type: jnp.dtype,
+        preferred_element_type: DTypeLike,
         transpose_rhs: bool,
         group_offset: jax.Array,
         tiling: TilingArg,
@@ -72,7 +68,7 @@ class DequantizedKernels:
         group_sizes: jax.Array,
         *,
         num_groups: int,
-        preferred_element_type: jnp.dtype,
+        preferred_element_type: DTypeLike,
         group_offset: jax.Array,
         tiling: TilingArg,
     ) -> jax.Array:
@@ -115,7 +111,7 @@ class PallasFp8Kernels:
         rhs: Quantized,
         group_sizes: jax.Array,
         *,
-        preferred_element_type: jnp.dtype,
+        preferred_element_type: DTypeLike,
         transpose_rhs: bool,
         group_offset: jax.Array,
         tiling: TilingArg,
@@ -123,7 +119,7 @@ class PallasFp8Kernels:
         contract = 2 if transpose_rhs else 1
         bs = lhs.block_size
         k_pad = lhs.scale.shape[1] * bs  # gmm_fp8 wants whole blocks: pad K with FP8 zeros
-        return _gmm_fp8(
+        return gmm_fp8(
             _pad_axis(lhs.value, 1, k_pad),
             lhs.scale,
             _pad_axis(rhs.value, contract, k_pad),
@@ -145,11 +141,11 @@ class PallasFp8Kernels:
         group_sizes: jax.Array,
         *,
         num_groups: int,
-        preferred_element_type: jnp.dtype,
+        preferred_element_type: DTypeLike,
         group_offset: jax.Array,
         tiling: TilingArg,
     ) -> jax.Array:
-        return _tgmm_fp8(
+        return tgmm_fp8(
             lhs.value,
             lhs.scale,
             rhs.value,

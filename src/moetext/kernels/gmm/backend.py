@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import jax
-import jax.numpy as jnp
 from jax.typing import DTypeLike
 
 if TYPE_CHECKING:  # fp8 imports gmm (its Pallas kernels use gmm.tiling): no runtime import
@@ -50,7 +49,7 @@ class GmmBackend(abc.ABC):
         rhs: jax.Array,  # [G_local, K, N] ([G_local, N, K] when transpose_rhs)
         group_sizes: jax.Array,  # [G] int32, G >= G_local
         *,
-        preferred_element_type: jnp.dtype,
+        preferred_element_type: DTypeLike,
         transpose_rhs: bool,
         group_offset: jax.Array,  # [] int32: rhs[i] serves group group_offset + i
         tiling: TilingArg,
@@ -66,7 +65,7 @@ class GmmBackend(abc.ABC):
         group_sizes: jax.Array,  # [G] int32
         *,
         num_groups: int,  # G_local: groups group_offset .. group_offset + num_groups - 1
-        preferred_element_type: jnp.dtype,
+        preferred_element_type: DTypeLike,
         group_offset: jax.Array,
         tiling: TilingArg,
     ) -> jax.Array:
@@ -101,7 +100,7 @@ class ScaledKernels(Protocol):
         rhs: Quantized,  # blocks along its contraction axis, or block_size^2 tiles
         group_sizes: jax.Array,
         *,
-        preferred_element_type: jnp.dtype,
+        preferred_element_type: DTypeLike,
         transpose_rhs: bool,
         group_offset: jax.Array,
         tiling: TilingArg,
@@ -116,7 +115,7 @@ class ScaledKernels(Protocol):
         group_sizes: jax.Array,
         *,
         num_groups: int,
-        preferred_element_type: jnp.dtype,
+        preferred_element_type: DTypeLike,
         group_offset: jax.Array,
         tiling: TilingArg,
     ) -> jax.Array:

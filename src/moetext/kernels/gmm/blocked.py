@@ -23,13 +23,15 @@ compiled dot, which is why there are only five.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import ArrayLike, DTypeLike
 
-from moetext.kernels.gmm.backend import GmmBackend, Tiling, TilingArg, register
+from moetext.kernels.gmm.backend import GmmBackend, TilingArg, register
 from moetext.kernels.pallas_common import pow2_ceil
 
 _MAX_TM = 512  # larger full tiles gain nothing measurable on XLA:CPU and raise the waste bound
@@ -37,7 +39,7 @@ _MIN_TM = 128  # below this a full tile is too small to reach matmul speed
 _SIZES_BELOW_TM = 16  # smallest remainder tile is tm / 16: each size is one more compiled dot
 
 
-def choose_tiles(m: int, num_local: int, tiling: Tiling | None = None) -> tuple[int, ...]:
+def choose_tiles(m: int, num_local: int, tiling: TilingArg = None) -> tuple[int, ...]:
     """Static tile row counts, largest first: tiles[0] = tm for full tiles, then the remainder
     sizes tm/2, tm/4, ... down to max(8, tm/16) (all powers of two, all <= M).
 
@@ -54,16 +56,18 @@ def choose_tiles(m: int, num_local: int, tiling: Tiling | None = None) -> tuple[
     return tuple(tm >> i for i in range((tm // smallest).bit_length()))
 
 
-def _acc_dtype(pet) -> jnp.dtype:
+def _acc_dtype(pet: DTypeLike) -> jnp.dtype:
     # Low-precision outputs still accumulate in f32 (as ragged_dot and the MXU do); on XLA:CPU a
     # bf16 x bf16 -> f32 dot costs the same as bf16 -> bf16.
-    pet = jnp.dtype(pet)
-    if jnp.issubdtype(pet, jnp.floating):
-        return jnp.promote_types(pet, jnp.float32)
-    return pet
+    out = jnp.dtype(pet)
+    if jnp.issubdtype(out, jnp.floating):
+        out = jnp.promote_types(out, jnp.float32)
+    return out
 
 
-def _group_window(group_sizes, group_offset, i):
+def _group_window(
+    group_sizes: jax.Array, group_offset: jax.Array, i: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """Start row and size of local group i (size 0 if the window runs past the real groups)."""
     ends = jnp.cumsum(group_sizes)
     g = group_offset + i
@@ -72,13 +76,19 @@ def _group_window(group_sizes, group_offset, i):
     return ends[gc] - group_sizes[gc], size
 
 
-def _remainder_branch(rem, tiles: tuple[int, ...]):
+def _remainder_branch(rem: jax.Array, tiles: tuple[int, ...]) -> jax.Array:
     """0 if rem == 0, else b such that tiles[-b] is the smallest tile size holding rem rows."""
     ascending = jnp.asarray(tiles[::-1][:-1])
     return jnp.where(rem > 0, jnp.sum(ascending < rem) + 1, 0)
 
 
-def _for_each_tile(carry, start, size, tiles: tuple[int, ...], tile_fn):
+def _for_each_tile(
+    carry: jax.Array,
+    start: jax.Array,
+    size: jax.Array,
+    tiles: tuple[int, ...],
+    tile_fn: Callable[[jax.Array, jax.Array, int], jax.Array],
+) -> jax.Array:
     """Calls tile_fn(carry, row0, rows) for tiles covering rows [start, start + size).
 
     Full tiles of tiles[0] rows, then one tile for the remainder: the smallest size in `tiles`
@@ -88,11 +98,19 @@ def _for_each_tile(carry, start, size, tiles: tuple[int, ...], tile_fn):
     full = size // tm
     carry = lax.fori_loop(0, full, lambda j, c: tile_fn(c, start + j * tm, tm), carry)
     row0 = start + full * tm
-    branches = [lambda c: c] + [(lambda c, t=t: tile_fn(c, row0, t)) for t in tiles[::-1]]
-    return lax.switch(_remainder_branch(size - full * tm, tiles), branches, carry)
+
+    def remainder(rows: int) -> Callable[[jax.Array], jax.Array]:
+        return lambda c: tile_fn(c, row0, rows)
+
+    branches: list[Callable[[jax.Array], jax.Array]] = [lambda c: c]
+    branches += [remainder(t) for t in tiles[::-1]]
+    out: jax.Array = lax.switch(_remainder_branch(size - full * tm, tiles), branches, carry)
+    return out
 
 
-def _row_slice(x_MX, row0, rows: int):
+def _row_slice(
+    x_MX: jax.Array, row0: jax.Array, rows: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x[row0 : row0 + rows] clamped into range, and the mask of rows in [row0, row0 + rows)."""
     s = jnp.clip(row0, 0, x_MX.shape[0] - rows)
     r = s + jnp.arange(rows)
@@ -100,15 +118,15 @@ def _row_slice(x_MX, row0, rows: int):
 
 
 def blocked_gmm(
-    lhs_MK,
-    rhs,
-    group_sizes,
+    lhs_MK: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
     *,
-    preferred_element_type,
-    transpose_rhs=False,
-    group_offset=0,
-    tiling=None,
-):
+    preferred_element_type: DTypeLike,
+    transpose_rhs: bool = False,
+    group_offset: ArrayLike = 0,
+    tiling: TilingArg = None,
+) -> jax.Array:
     """Grouped matmul by per-group row tiles; see the module docstring."""
     m = lhs_MK.shape[0]
     num_local = rhs.shape[0]
@@ -117,18 +135,18 @@ def blocked_gmm(
     acc = _acc_dtype(pet)
     tiles = choose_tiles(m, num_local, tiling)
     contract = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
-    group_offset = jnp.asarray(group_offset, jnp.int32)
+    offset = jnp.asarray(group_offset, jnp.int32)
 
     # Tiles run past their group's end: groups are visited in order, so those rows are later
     # overwritten by their own group, and rows no local group owns are zeroed once at the end.
     # Padding lhs by one tile (one M*K copy) removes clamping, so no tile needs a row mask.
     lhs_PK = jnp.pad(lhs_MK, ((0, tiles[0]), (0, 0)))
 
-    def group(i, out_PN):
-        start, size = _group_window(group_sizes, group_offset, i)
+    def group(i: jax.Array, out_PN: jax.Array) -> jax.Array:
+        start, size = _group_window(group_sizes, offset, i)
         w = lax.dynamic_index_in_dim(rhs, i, 0, keepdims=False)
 
-        def tile(out_PN, row0, rows):
+        def tile(out_PN: jax.Array, row0: jax.Array, rows: int) -> jax.Array:
             x_TK = lax.dynamic_slice_in_dim(lhs_PK, row0, rows, 0)
             y_TN = lax.dot_general(x_TK, w, contract, preferred_element_type=acc).astype(pet)
             return lax.dynamic_update_slice_in_dim(out_PN, y_TN, row0, 0)
@@ -137,32 +155,39 @@ def blocked_gmm(
 
     out_PN = lax.fori_loop(0, num_local, group, jnp.zeros((m + tiles[0], n), pet))
     ends = jnp.cumsum(group_sizes)
-    lo = (ends - group_sizes)[jnp.minimum(group_offset, group_sizes.shape[0] - 1)]
-    hi = ends[jnp.minimum(group_offset + num_local, group_sizes.shape[0]) - 1]
+    lo = (ends - group_sizes)[jnp.minimum(offset, group_sizes.shape[0] - 1)]
+    hi = ends[jnp.minimum(offset + num_local, group_sizes.shape[0]) - 1]
     rows = jnp.arange(m)[:, None]
     return jnp.where((rows >= lo) & (rows < hi), out_PN[:m], jnp.zeros((), pet))
 
 
 def blocked_tgmm(
-    lhs_MK, rhs_MN, group_sizes, *, num_groups, preferred_element_type, group_offset=0, tiling=None
-):
+    lhs_MK: jax.Array,
+    rhs_MN: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    num_groups: int,
+    preferred_element_type: DTypeLike,
+    group_offset: ArrayLike = 0,
+    tiling: TilingArg = None,
+) -> jax.Array:
     """out[g] = lhs[rows of g].T @ rhs[rows of g] by per-group row tiles -> [L, K, N]."""
     m, k = lhs_MK.shape
     n = rhs_MN.shape[1]
     pet = jnp.dtype(preferred_element_type)
     acc = _acc_dtype(pet)
     tiles = choose_tiles(m, num_groups, tiling)
-    group_offset = jnp.asarray(group_offset, jnp.int32)
+    offset = jnp.asarray(group_offset, jnp.int32)
     # XLA:CPU runs a dot at full speed only with row-major operands contracting lhs columns;
     # x_tile.T @ y_tile written as a row contraction takes a path several times slower. One
     # transpose of lhs up front (M*K copy) makes each tile a plain [K, T] @ [T, N] product.
     lhs_KM = jnp.transpose(lhs_MK)
 
-    def group(i, out_LKN):
-        start, size = _group_window(group_sizes, group_offset, i)
+    def group(i: jax.Array, out_LKN: jax.Array) -> jax.Array:
+        start, size = _group_window(group_sizes, offset, i)
         end = start + size
 
-        def product(row0, rows):
+        def product(row0: jax.Array, rows: int) -> jax.Array:
             s, y_TN, mask = _row_slice(rhs_MN, row0, rows)
             mask &= s + jnp.arange(rows) < end
             # Zeroing the foreign rows of one operand removes their whole contribution.
@@ -175,13 +200,18 @@ def blocked_tgmm(
         tm = tiles[0]
         full = size // tm
         row_rem = start + full * tm
-        branches = [lambda: jnp.zeros((k, n), acc)]
-        branches += [(lambda t=t: product(row_rem, t)) for t in tiles[::-1]]
+
+        def remainder(rows: int) -> Callable[[], jax.Array]:
+            return lambda: product(row_rem, rows)
+
+        branches: list[Callable[[], jax.Array]] = [lambda: jnp.zeros((k, n), acc)]
+        branches += [remainder(t) for t in tiles[::-1]]
         acc_KN = lax.switch(_remainder_branch(size - full * tm, tiles), branches)
         acc_KN = lax.fori_loop(0, full, lambda j, a: a + product(start + j * tm, tm), acc_KN)
         return out_LKN.at[i].set(acc_KN.astype(pet))
 
-    return lax.fori_loop(0, num_groups, group, jnp.zeros((num_groups, k, n), pet))
+    out: jax.Array = lax.fori_loop(0, num_groups, group, jnp.zeros((num_groups, k, n), pet))
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +226,7 @@ class BlockedBackend(GmmBackend):
         rhs: jax.Array,
         group_sizes: jax.Array,
         *,
-        preferred_element_type: jnp.dtype,
+        preferred_element_type: DTypeLike,
         transpose_rhs: bool,
         group_offset: jax.Array,
         tiling: TilingArg,
@@ -218,7 +248,7 @@ class BlockedBackend(GmmBackend):
         group_sizes: jax.Array,
         *,
         num_groups: int,
-        preferred_element_type: jnp.dtype,
+        preferred_element_type: DTypeLike,
         group_offset: jax.Array,
         tiling: TilingArg,
     ) -> jax.Array:

@@ -17,17 +17,22 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
+
+from moetext.kernels.typed_jax import psum_scatter
 
 # ((dim, (mesh axis, ...)), ...): dims of a local slice split over mesh axes, gathered in order.
 Gather = tuple[tuple[int, tuple[str, ...]], ...]
 
 
-def check_gather(gather, ndim: int) -> Gather:
+def check_gather(gather: Iterable[Any] | None, ndim: int) -> Gather:
     """Normalises a Gather and rejects malformed ones with the offending entry named."""
-    out = []
+    out: list[tuple[int, tuple[str, ...]]] = []
     for entry in gather or ():
         try:
             dim, axes = entry
@@ -65,36 +70,61 @@ def all_gather_dims(x: jax.Array, gather: Gather) -> jax.Array:
 def psum_scatter_dims(x: jax.Array, gather: Gather) -> jax.Array:
     """The transpose of all_gather_dims: reduce-scatter along the same dims in reverse order."""
     for dim, axes in reversed(gather):
-        x = jax.lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
+        x = psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
     return x
 
 
-def reduce_scatter_grad(g: jax.Array, gather: Gather, reduce_dtype, w_dtype) -> jax.Array:
+def reduce_scatter_grad(
+    g: jax.Array, gather: Gather, reduce_dtype: DTypeLike | None, w_dtype: DTypeLike
+) -> jax.Array:
     """A gathered weight's gradient -> this shard's slice: psum_scatter in reduce_dtype (None:
     w_dtype), returned in w_dtype."""
     rd = jnp.dtype(reduce_dtype or w_dtype)
     return psum_scatter_dims(g.astype(rd), gather).astype(w_dtype)
 
 
-def gather_weight(w: jax.Array, gather: Gather, dtype, reduce_dtype=None) -> jax.Array:
+def gather_weight(
+    w: jax.Array, gather: Gather, dtype: DTypeLike, reduce_dtype: DTypeLike | None = None
+) -> jax.Array:
     """all_gather_dims(w.astype(dtype)); the gradient is psum_scatter'ed in reduce_dtype
     (default w.dtype) and returned in w.dtype."""
     if not gather:
         return w.astype(dtype)
     rd = None if reduce_dtype is None else jnp.dtype(reduce_dtype)
-    return _gather_cast(gather, jnp.dtype(dtype), jnp.dtype(w.dtype), rd, w)
+    out: jax.Array = _gather_cast(gather, jnp.dtype(dtype), jnp.dtype(w.dtype), rd, w)
+    return out
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _gather_cast(gather, dtype, w_dtype, reduce_dtype, w):
+def _gather_cast(
+    gather: Gather,
+    dtype: jnp.dtype,
+    w_dtype: jnp.dtype,
+    reduce_dtype: jnp.dtype | None,
+    w: jax.Array,
+) -> jax.Array:
     return all_gather_dims(w.astype(dtype), gather)
 
 
-def _gather_cast_fwd(gather, dtype, w_dtype, reduce_dtype, w):
-    return _gather_cast(gather, dtype, w_dtype, reduce_dtype, w), None
+def _gather_cast_fwd(
+    gather: Gather,
+    dtype: jnp.dtype,
+    w_dtype: jnp.dtype,
+    reduce_dtype: jnp.dtype | None,
+    w: jax.Array,
+) -> tuple[jax.Array, None]:
+    out: jax.Array = _gather_cast(gather, dtype, w_dtype, reduce_dtype, w)
+    return out, None
 
 
-def _gather_cast_bwd(gather, dtype, w_dtype, reduce_dtype, _, g):
+def _gather_cast_bwd(
+    gather: Gather,
+    dtype: jnp.dtype,
+    w_dtype: jnp.dtype,
+    reduce_dtype: jnp.dtype | None,
+    _: None,
+    g: jax.Array,
+) -> tuple[jax.Array]:
     return (reduce_scatter_grad(g, gather, reduce_dtype, w_dtype),)
 
 

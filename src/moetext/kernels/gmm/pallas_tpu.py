@@ -30,13 +30,16 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.typing import DTypeLike
 
 from moetext.kernels.gmm import tiling as tiling_lib
-from moetext.kernels.gmm.backend import GmmBackend, ScaledKernels, TilingArg, register
+from moetext.kernels.gmm.backend import GmmBackend, ScaledKernels, Tiling, TilingArg, register
 from moetext.kernels.pallas_common import (
     GMM_DIMENSIONS,
     NUM_META,
     TGMM_DIMENSIONS,
+    Interpret,
+    Ref,
     cdiv,
     gmm_aliased_out,
     gmm_block_specs,
@@ -50,6 +53,7 @@ from moetext.kernels.pallas_common import (
     tgmm_step,
     zero_rows_outside,
 )
+from moetext.kernels.typed_jax import ShapeDtypeStruct
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +82,7 @@ class PallasTpuBackend(GmmBackend):
         rhs: jax.Array,
         group_sizes: jax.Array,
         *,
-        preferred_element_type: jnp.dtype,
+        preferred_element_type: DTypeLike,
         transpose_rhs: bool,
         group_offset: jax.Array,
         tiling: TilingArg,
@@ -113,7 +117,7 @@ class PallasTpuBackend(GmmBackend):
         group_sizes: jax.Array,
         *,
         num_groups: int,
-        preferred_element_type: jnp.dtype,
+        preferred_element_type: DTypeLike,
         group_offset: jax.Array,
         tiling: TilingArg,
     ) -> jax.Array:
@@ -149,18 +153,18 @@ class PallasTpuBackend(GmmBackend):
 
 
 def _gmm_call(
-    lhs_MK,
-    rhs,
-    group_sizes_G,
-    group_offset,
-    existing_MN,
+    lhs_MK: jax.Array,
+    rhs: jax.Array,
+    group_sizes_G: jax.Array,
+    group_offset: jax.Array,
+    existing_MN: jax.Array | None,
     *,
-    tiles,
-    out_dtype,
-    transpose_rhs,
-    interpret,
-    chip,
-):
+    tiles: Tiling,
+    out_dtype: jnp.dtype,
+    transpose_rhs: bool,
+    interpret: Interpret,
+    chip: str,
+) -> jax.Array:
     (m, k), num_local = lhs_MK.shape, rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     tm, tk, tn = tiles
@@ -188,9 +192,9 @@ def _gmm_call(
     kernel = functools.partial(
         _gmm_kernel, k=k, tm=tm, tk=tk, transpose_rhs=transpose_rhs, has_init=has_init
     )
-    return pl.pallas_call(
+    out_MN: jax.Array = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(out_mn, out_dtype),
+        out_shape=ShapeDtypeStruct(out_mn, out_dtype),
         grid_spec=grouped_grid_spec(
             (cdiv(n, tn), t_max, cdiv(k, tk)), [lhs_spec, rhs_spec, init_spec], out_spec, (tm, tn)
         ),
@@ -202,16 +206,17 @@ def _gmm_call(
         interpret=interpret,
         cost_estimate=cost,
         name="moetext_gmm",
-    )(*meta, lhs_MK, rhs, init_MN)[:m, :n]
+    )(*meta, lhs_MK, rhs, init_MN)
+    return out_MN[:m, :n]
 
 
-def _gmm_kernel(*refs, k, tm, tk, transpose_rhs, has_init):
+def _gmm_kernel(*refs: Ref, k: int, tm: int, tk: int, transpose_rhs: bool, has_init: bool) -> None:
     """acc[tm, tn] += lhs[tm, tk] @ rhs[tk, tn] (rhs[tn, tk].T with transpose_rhs) over K."""
     meta, (lhs_ref, rhs_ref, init_ref, out_ref, acc_ref) = split_refs(refs)
     ki, last_k = pl.program_id(2), pl.num_programs(2) - 1
     contract = (1,) if transpose_rhs else (0,)
 
-    def accumulate(mask_tail: bool):
+    def accumulate(mask_tail: bool) -> None:
         lhs, rhs = lhs_ref[...], rhs_ref[...]
         if mask_tail:
             lhs = _mask_cols(lhs, 1, ki * tk, k)
@@ -220,20 +225,20 @@ def _gmm_kernel(*refs, k, tm, tk, transpose_rhs, has_init):
             lhs, rhs, (((1,), contract), ((), ())), preferred_element_type=jnp.float32
         )
 
-    def step():
+    def step() -> None:
         if k % tk:  # only the last K block runs past K; the masks cost VPU time elsewhere
             pl.when(ki == last_k)(lambda: accumulate(True))
             pl.when(ki != last_k)(lambda: accumulate(False))
         else:
             accumulate(False)
 
-    def base():  # what rows outside the visited group hold before any visit
+    def base() -> jax.Array:  # what rows outside the visited group hold before any visit
         return init_ref[...] if has_init else jnp.zeros(out_ref.shape, out_ref.dtype)
 
     gmm_step(meta, out_ref, acc_ref, tm=tm, accumulate=step, base=base)
 
 
-def _mask_cols(x, axis: int, start, limit: int):
+def _mask_cols(x: jax.Array, axis: int, start: jax.Array, limit: int) -> jax.Array:
     """Zeroes the entries of x at positions >= limit along `axis` (K tail past the array)."""
     pos = start + jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
     return jnp.where(pos < limit, x, jnp.zeros((), x.dtype))
@@ -243,8 +248,17 @@ def _mask_cols(x, axis: int, start, limit: int):
 
 
 def _tgmm_call(
-    lhs_MK, rhs_MN, group_sizes_G, group_offset, *, num_groups, tiles, out_dtype, interpret, chip
-):
+    lhs_MK: jax.Array,
+    rhs_MN: jax.Array,
+    group_sizes_G: jax.Array,
+    group_offset: jax.Array,
+    *,
+    num_groups: int,
+    tiles: Tiling,
+    out_dtype: jnp.dtype,
+    interpret: Interpret,
+    chip: str,
+) -> jax.Array:
     (m, k), n = lhs_MK.shape, rhs_MN.shape[1]
     tm, tk, tn = tiles
     tiling_lib.check_tgmm_blocks("tgmm", tiles, lhs_MK, rhs_MN, out_dtype)
@@ -265,9 +279,9 @@ def _tgmm_call(
     needed = tiling_lib.vmem_bytes(
         [(tm, tk, lhs_MK.dtype), (tm, tn, rhs_MN.dtype)], (tk, tn, out_dtype), (tk, tn)
     )
-    return pl.pallas_call(
+    out_LKN: jax.Array = pl.pallas_call(
         functools.partial(_tgmm_kernel, tm=tm),
-        out_shape=jax.ShapeDtypeStruct((num_groups, k, n), out_dtype),
+        out_shape=ShapeDtypeStruct((num_groups, k, n), out_dtype),
         grid_spec=grouped_grid_spec(
             (tiles_k, tiles_n, t_max), [lhs_spec, rhs_spec], out_spec, (tk, tn)
         ),
@@ -279,14 +293,15 @@ def _tgmm_call(
         cost_estimate=cost,
         name="moetext_tgmm",
     )(*meta, lhs_MK, rhs_MN)
+    return out_LKN
 
 
-def _tgmm_kernel(*refs, tm):
+def _tgmm_kernel(*refs: Ref, tm: int) -> None:
     """acc[tk, tn] += lhs[tm, tk].T @ rhs[tm, tn] over the rows of the visited group."""
     meta, (lhs_ref, rhs_ref, out_ref, acc_ref) = split_refs(refs)
 
-    def accumulate(tile, start, end):
-        def product(mask_rows: bool):
+    def accumulate(tile: jax.Array, start: jax.Array, end: jax.Array) -> None:
+        def product(mask_rows: bool) -> None:
             lhs, rhs = lhs_ref[...], rhs_ref[...]
             if mask_rows:
                 # Masks both operands: rows past M hold garbage (maybe NaN), and NaN * 0 is NaN.

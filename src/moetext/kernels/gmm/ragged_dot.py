@@ -7,11 +7,15 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from moetext.kernels.gmm.backend import GmmBackend, TilingArg, register
+from moetext.kernels.typed_jax import RaggedDotDimensionNumbers
 
 
-def local_window(group_sizes, group_offset, num_local: int, m: int):
+def local_window(
+    group_sizes: jax.Array, group_offset: jax.Array, num_local: int, m: int
+) -> tuple[jax.Array, jax.Array]:
     """Group sizes for the local window and the mask of rows inside it.
 
     ragged_dot has no offset: the first local group also absorbs all earlier rows, which the
@@ -42,7 +46,7 @@ class RaggedDotBackend(GmmBackend):
         rhs: jax.Array,
         group_sizes: jax.Array,
         *,
-        preferred_element_type: jnp.dtype,
+        preferred_element_type: DTypeLike,
         transpose_rhs: bool,
         group_offset: jax.Array,
         tiling: TilingArg,
@@ -63,7 +67,7 @@ class RaggedDotBackend(GmmBackend):
         group_sizes: jax.Array,
         *,
         num_groups: int,
-        preferred_element_type: jnp.dtype,
+        preferred_element_type: DTypeLike,
         group_offset: jax.Array,
         tiling: TilingArg,
     ) -> jax.Array:
@@ -72,7 +76,7 @@ class RaggedDotBackend(GmmBackend):
         sizes, mask = local_window(group_sizes, group_offset, num_groups, m)
         lhs = jnp.where(mask[:, None], lhs, jnp.zeros((), lhs.dtype))
         rhs = jnp.where(mask[:, None], rhs, jnp.zeros((), rhs.dtype))
-        dims = jax.lax.RaggedDotDimensionNumbers(
+        dims = RaggedDotDimensionNumbers(
             dot_dimension_numbers=(([0], [0]), ([], [])),
             lhs_ragged_dimensions=[0],
             rhs_group_dimensions=[],

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from moetext.kernels.gmm.backend import GmmBackend, TilingArg
 from moetext.kernels.gmm.gather import Gather, gather_weight
@@ -52,7 +53,7 @@ class Recipe(abc.ABC):
         rhs: jax.Array,  # [G_local, K, N] ([G_local, N, K] when transpose_rhs)
         group_sizes: jax.Array,  # [G] int32
         *,
-        preferred_element_type: jnp.dtype,
+        preferred_element_type: DTypeLike,
         transpose_rhs: bool,
         group_offset: jax.Array,  # [] int32
         tiling: TilingArg,
@@ -68,7 +69,7 @@ class Recipe(abc.ABC):
         group_sizes: jax.Array,
         *,
         num_groups: int,
-        preferred_element_type: jnp.dtype,
+        preferred_element_type: DTypeLike,
         group_offset: jax.Array,
         tiling: TilingArg,
     ) -> jax.Array:
@@ -82,8 +83,8 @@ class Recipe(abc.ABC):
         group_sizes: jax.Array,
         *,
         gather: Gather,
-        grad_reduce_dtype: jnp.dtype | None,
-        preferred_element_type: jnp.dtype,
+        grad_reduce_dtype: DTypeLike | None,
+        preferred_element_type: DTypeLike,
         transpose_rhs: bool,
         group_offset: jax.Array,
         tiling: TilingArg,
@@ -107,7 +108,7 @@ class Recipe(abc.ABC):
         del backend
         return x
 
-    def load_residual(self, stored: Any, dtype: jnp.dtype) -> jax.Array:
+    def load_residual(self, stored: Any, dtype: DTypeLike) -> jax.Array:
         """x back from `store_residual`, in `dtype`."""
         return jnp.asarray(stored).astype(dtype)
 
@@ -127,7 +128,7 @@ class NoQuantization(Recipe):
         rhs: jax.Array,
         group_sizes: jax.Array,
         *,
-        preferred_element_type: jnp.dtype,
+        preferred_element_type: DTypeLike,
         transpose_rhs: bool,
         group_offset: jax.Array,
         tiling: TilingArg,
@@ -146,7 +147,7 @@ class NoQuantization(Recipe):
         group_sizes: jax.Array,
         *,
         num_groups: int,
-        preferred_element_type: jnp.dtype,
+        preferred_element_type: DTypeLike,
         group_offset: jax.Array,
         tiling: TilingArg,
     ) -> jax.Array:

@@ -10,16 +10,22 @@ These loops are the definition every backend is tested against: slow, obvious, f
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from collections.abc import Iterator
+from typing import ClassVar, SupportsInt
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
+from jax.typing import DTypeLike
 
 from moetext.kernels.gmm.backend import GmmBackend, TilingArg, register
+from moetext.kernels.typed_jax import ShapeDtypeStruct
 
 
-def _windows(group_sizes, group_offset: int, num_local: int):
+def _windows(
+    group_sizes: npt.ArrayLike, group_offset: SupportsInt, num_local: int
+) -> Iterator[tuple[int, int, int]]:
     """(local index, first row, last row + 1) for each local group that exists in group_sizes."""
     sizes = np.asarray(group_sizes).astype(np.int64)
     ends = np.cumsum(sizes)
@@ -31,7 +37,14 @@ def _windows(group_sizes, group_offset: int, num_local: int):
             yield i, int(starts[g]), int(ends[g])
 
 
-def gmm_reference(lhs, rhs, group_sizes, *, transpose_rhs=False, group_offset=0) -> np.ndarray:
+def gmm_reference(
+    lhs: npt.ArrayLike,
+    rhs: npt.ArrayLike,
+    group_sizes: npt.ArrayLike,
+    *,
+    transpose_rhs: bool = False,
+    group_offset: SupportsInt = 0,
+) -> npt.NDArray[np.float64]:
     """[M, N] float64: rows of local group g = lhs rows @ rhs[g - group_offset]; others zero.
 
     lhs [M, K]; rhs [L, K, N] ([L, N, K] when transpose_rhs); group_sizes [G] int.
@@ -45,7 +58,14 @@ def gmm_reference(lhs, rhs, group_sizes, *, transpose_rhs=False, group_offset=0)
     return out_MN
 
 
-def tgmm_reference(lhs, rhs, group_sizes, *, num_groups=None, group_offset=0) -> np.ndarray:
+def tgmm_reference(
+    lhs: npt.ArrayLike,
+    rhs: npt.ArrayLike,
+    group_sizes: npt.ArrayLike,
+    *,
+    num_groups: int | None = None,
+    group_offset: SupportsInt = 0,
+) -> npt.NDArray[np.float64]:
     """[L, K, N] float64: out[i] = lhs[rows of g].T @ rhs[rows of g] for g = group_offset + i.
 
     lhs [M, K]; rhs [M, N]; num_groups (L) defaults to len(group_sizes); empty groups are zero.
@@ -71,7 +91,7 @@ class ReferenceBackend(GmmBackend):
         rhs: jax.Array,
         group_sizes: jax.Array,
         *,
-        preferred_element_type: jnp.dtype,
+        preferred_element_type: DTypeLike,
         transpose_rhs: bool,
         group_offset: jax.Array,
         tiling: TilingArg,
@@ -80,14 +100,17 @@ class ReferenceBackend(GmmBackend):
         n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
         pet = jnp.dtype(preferred_element_type)
 
-        def host(lhs, rhs, group_sizes, group_offset):
+        def host(
+            lhs: np.ndarray, rhs: np.ndarray, group_sizes: np.ndarray, group_offset: np.ndarray
+        ) -> np.ndarray:
             out = gmm_reference(
                 lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, group_offset=group_offset
             )
             return out.astype(pet)
 
-        shape = jax.ShapeDtypeStruct((lhs.shape[0], n), pet)
-        return jax.pure_callback(host, shape, lhs, rhs, group_sizes, group_offset)
+        shape = ShapeDtypeStruct((lhs.shape[0], n), pet)
+        out: jax.Array = jax.pure_callback(host, shape, lhs, rhs, group_sizes, group_offset)
+        return out
 
     def tgmm(
         self,
@@ -96,21 +119,24 @@ class ReferenceBackend(GmmBackend):
         group_sizes: jax.Array,
         *,
         num_groups: int,
-        preferred_element_type: jnp.dtype,
+        preferred_element_type: DTypeLike,
         group_offset: jax.Array,
         tiling: TilingArg,
     ) -> jax.Array:
         del tiling
         pet = jnp.dtype(preferred_element_type)
 
-        def host(lhs, rhs, group_sizes, group_offset):
+        def host(
+            lhs: np.ndarray, rhs: np.ndarray, group_sizes: np.ndarray, group_offset: np.ndarray
+        ) -> np.ndarray:
             out = tgmm_reference(
                 lhs, rhs, group_sizes, num_groups=num_groups, group_offset=group_offset
             )
             return out.astype(pet)
 
-        shape = jax.ShapeDtypeStruct((num_groups, lhs.shape[1], rhs.shape[1]), pet)
-        return jax.pure_callback(host, shape, lhs, rhs, group_sizes, group_offset)
+        shape = ShapeDtypeStruct((num_groups, lhs.shape[1], rhs.shape[1]), pet)
+        out: jax.Array = jax.pure_callback(host, shape, lhs, rhs, group_sizes, group_offset)
+        return out
 
 
 register("reference", ReferenceBackend)

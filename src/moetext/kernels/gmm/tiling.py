@@ -10,16 +10,14 @@ are clamped to that dim (a block equal to the full dim is always legal on TPU).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from moetext.kernels.gmm.backend import Tiling
+from moetext.kernels.gmm.backend import Tiling, TilingArg
 from moetext.kernels.pallas_common import cdiv, pow2_ceil
-
-TilingArg = Tiling | Callable[..., Tiling] | None
 
 MiB = 1 << 20
 LANES = 128

@@ -15,6 +15,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 import tokamax  # raises ImportError when absent; the package __init__ then skips this module
+from jax.typing import DTypeLike
 
 from moetext.kernels.gmm.backend import TilingArg, register
 from moetext.kernels.gmm.ragged_dot import RaggedDotBackend, local_window
@@ -32,7 +33,7 @@ class TokamaxBackend(RaggedDotBackend):
         rhs: jax.Array,
         group_sizes: jax.Array,
         *,
-        preferred_element_type: jnp.dtype,
+        preferred_element_type: DTypeLike,
         transpose_rhs: bool,
         group_offset: jax.Array,
         tiling: TilingArg,

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 from typing import Any, ClassVar, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from moetext.kernels.fp8.qag import quantized_all_gather
 from moetext.kernels.fp8.quantize import DualQuantized, Quantized
@@ -32,9 +32,9 @@ from moetext.kernels.fp8.scaled_kernels import DequantizedKernels
 from moetext.kernels.gmm.backend import GmmBackend, ScaledKernels, TilingArg
 from moetext.kernels.gmm.gather import Gather, reduce_scatter_grad
 from moetext.kernels.gmm.recipe import Recipe
+from moetext.kernels.typed_jax import optimization_barrier
 
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
-_optimization_barrier: Callable[[Any], Any] = jax.lax.optimization_barrier  # untyped in jax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +129,7 @@ class Fp8Blockwise(Recipe):
         rhs: jax.Array,
         group_sizes: jax.Array,
         *,
-        preferred_element_type: jnp.dtype,
+        preferred_element_type: DTypeLike,
         transpose_rhs: bool,
         group_offset: jax.Array,
         tiling: TilingArg,
@@ -152,7 +152,7 @@ class Fp8Blockwise(Recipe):
         group_sizes: jax.Array,
         *,
         num_groups: int,
-        preferred_element_type: jnp.dtype,
+        preferred_element_type: DTypeLike,
         group_offset: jax.Array,
         tiling: TilingArg,
     ) -> jax.Array:
@@ -174,8 +174,8 @@ class Fp8Blockwise(Recipe):
         group_sizes: jax.Array,
         *,
         gather: Gather,
-        grad_reduce_dtype: jnp.dtype | None,
-        preferred_element_type: jnp.dtype,
+        grad_reduce_dtype: DTypeLike | None,
+        preferred_element_type: DTypeLike,
         transpose_rhs: bool,
         group_offset: jax.Array,
         tiling: TilingArg,
@@ -212,7 +212,7 @@ class Fp8Blockwise(Recipe):
         """FP8 values + scales in blocks along the last axis, like the gmm's own activations."""
         return self.bind(backend).quantize(x, x.ndim - 1)
 
-    def load_residual(self, stored: Any, dtype: jnp.dtype) -> jax.Array:
+    def load_residual(self, stored: Any, dtype: DTypeLike) -> jax.Array:
         q: Quantized = stored
         return q.dequantize(dtype)
 
@@ -315,7 +315,7 @@ def _qgmm_bwd(s: _GmmStatic, res: _Res, dout: jax.Array) -> tuple[Any, ...]:
     ops, pet_l, pet_r = s.ops, s.lhs_dtype, s.rhs_dtype
     # Tie the weights to dout so their backward quantization stays in the backward: else XLA
     # fuses it with the forward one (same operand) and keeps it alive across the forward pass.
-    rhs_res, dout = _optimization_barrier((rhs_res, dout))
+    rhs_res, dout = optimization_barrier((rhs_res, dout))
     num_local = rhs_res.value.shape[0] if isinstance(rhs_res, Quantized) else rhs_res.shape[0]
     common: dict[str, Any] = dict(group_offset=group_offset, tiling=s.tiling)
     if ops.bwd_quantize:

@@ -34,6 +34,7 @@ from typing import Any, ClassVar, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from moetext.kernels.fp8.quantize import quantize_tensorwise
 from moetext.kernels.gmm.backend import GmmBackend, TilingArg
@@ -73,7 +74,7 @@ class Fp8Tensorwise(Recipe):
         rhs: jax.Array,
         group_sizes: jax.Array,
         *,
-        preferred_element_type: jnp.dtype,
+        preferred_element_type: DTypeLike,
         transpose_rhs: bool,
         group_offset: jax.Array,
         tiling: TilingArg,
@@ -97,7 +98,7 @@ class Fp8Tensorwise(Recipe):
         group_sizes: jax.Array,
         *,
         num_groups: int,
-        preferred_element_type: jnp.dtype,
+        preferred_element_type: DTypeLike,
         group_offset: jax.Array,
         tiling: TilingArg,
     ) -> jax.Array:
@@ -118,7 +119,7 @@ class Fp8Tensorwise(Recipe):
         del backend
         return quantize_tensorwise(x, dtype=self.fwd_dtype)
 
-    def load_residual(self, stored: Any, dtype: jnp.dtype) -> jax.Array:
+    def load_residual(self, stored: Any, dtype: DTypeLike) -> jax.Array:
         q, scale = cast(tuple[jax.Array, jax.Array], stored)
         return (q.astype(jnp.float32) * scale).astype(dtype)
 

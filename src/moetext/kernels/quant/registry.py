@@ -41,7 +41,8 @@ def make_recipe(name: str, options: Mapping[str, Any] | None = None) -> Recipe:
             f"{', '.join(available_recipes())}"
         )
     cls = _RECIPES[name]
-    fields = [f.name for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]
+    assert dataclasses.is_dataclass(cls)  # register_recipe admits dataclasses only
+    fields = [f.name for f in dataclasses.fields(cls) if f.init]
     for key in options or {}:
         if key not in fields:
             valid = f"its options: {', '.join(fields)}" if fields else "it takes no options"

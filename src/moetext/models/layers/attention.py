@@ -1,4 +1,4 @@
-"""Grouped-query causal self-attention with per-head q/k RMSNorm and RoPE (Qwen3).
+"""Grouped-query causal self-attention with RoPE and optional per-head q/k RMSNorm (Qwen3).
 
 Legend: B batch, S query positions, T key positions, D emb_dim, N query heads, K kv heads,
 G = N // K query heads per kv head, H head_dim.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from moetext.config.schema import ModelConfig
@@ -22,7 +23,7 @@ def attend(
     v_BTKH: jax.Array,
     segment_ids_BS: jax.Array | None = None,
 ) -> jax.Array:
-    """Causal GQA softmax(q k^T / sqrt(H)) v with f32 scores; returns [B, S, N, H] in q's dtype.
+    """Causal GQA softmax(q k^T / sqrt(H)) v with f32 scores; returns [B, S, N, H] in v's dtype.
 
     Causality is by index (query s sees keys t <= s); positions only feed RoPE. With
     segment_ids_BS (self-attention, S == T) a query also sees only keys of its own segment,
@@ -43,7 +44,7 @@ def attend(
         mask_BST = causal_ST & (q_seg_BS1 == k_seg_B1T) & (k_seg_B1T != 0)
         mask = mask_BST[:, None, None]  # [B, 1, 1, S, T]: fused into the select below
     # A large finite negative (not -inf) keeps fully masked rows NaN-free under autodiff.
-    scores_BKGST = jnp.where(mask, scores_BKGST, jnp.finfo(jnp.float32).min)
+    scores_BKGST = jnp.where(mask, scores_BKGST, np.finfo(np.float32).min)
     probs_BKGST = jax.nn.softmax(scores_BKGST, axis=-1).astype(v_BTKH.dtype)
     out_BSKGH = jnp.einsum("bkgst,btkh->bskgh", probs_BKGST, v_BTKH)
     return out_BSKGH.reshape(b, s, n, h)

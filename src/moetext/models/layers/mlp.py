@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from moetext.models.layers.params import make_param, normal
 
@@ -21,8 +22,8 @@ class SwiGLU(nnx.Module):
         hidden_dim: int,
         *,
         init_std: float,
-        param_dtype: jnp.dtype,
-        dtype: jnp.dtype,
+        param_dtype: DTypeLike,
+        dtype: DTypeLike,
         rngs: nnx.Rngs,
         axis: str = "mlp",
     ):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from moetext.models.layers.params import make_param, ones
 
@@ -19,7 +20,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 class RMSNorm(nnx.Module):
     """y = x / sqrt(mean(x^2) + eps) * scale; scale [dim] initialised to ones."""
 
-    def __init__(self, dim: int, *, eps: float, param_dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, dim: int, *, eps: float, param_dtype: DTypeLike, rngs: nnx.Rngs):
         self.eps = float(eps)
         self.scale = make_param(rngs, ones, (dim,), ("norm",), param_dtype)
 

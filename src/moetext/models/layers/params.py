@@ -13,12 +13,14 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-def as_dtype(name: str | jnp.dtype) -> jnp.dtype:
-    """A config dtype name ("float32", "bfloat16", "float16") as a jnp dtype."""
+def as_dtype(name: DTypeLike) -> jnp.dtype:
+    """A config dtype name ("float32", "bfloat16", "float16") as a jnp dtype; a non-string
+    (a dtype or scalar type such as jnp.bfloat16) goes through `jnp.dtype`."""
     if not isinstance(name, str):
         return jnp.dtype(name)
     if name not in _DTYPES:
@@ -31,8 +33,8 @@ def make_param(
     init: Callable[..., jax.Array],
     shape: Sequence[int],
     names: Sequence[str | None],
-    param_dtype: jnp.dtype,
-) -> nnx.Param:
+    param_dtype: DTypeLike,
+) -> nnx.Param[jax.Array]:
     """An nnx.Param of `shape` initialised by `init`, annotated with logical axis `names`."""
     if len(names) != len(shape):
         raise ValueError(
@@ -43,7 +45,7 @@ def make_param(
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
-def _normal(key, shape, dtype, std):
+def _normal(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype, std: float) -> jax.Array:
     # Drawn in float32 then cast, so a bf16 model starts from the rounded f32 weights. One jit
     # per shape (std is traced) keeps eager model construction to one compile per param shape.
     return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
@@ -54,6 +56,6 @@ def normal(std: float) -> Callable[..., jax.Array]:
     return lambda key, shape, dtype=jnp.float32: _normal(key, tuple(shape), jnp.dtype(dtype), std)
 
 
-def ones(key, shape, dtype=jnp.float32):
+def ones(key: jax.Array, shape: Sequence[int], dtype: DTypeLike = jnp.float32) -> jax.Array:
     del key
     return jnp.ones(shape, dtype)

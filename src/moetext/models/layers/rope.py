@@ -9,7 +9,9 @@ import jax
 import jax.numpy as jnp
 
 
-def rope_cos_sin(positions_BS: jax.Array, head_dim: int, theta: float):
+def rope_cos_sin(
+    positions_BS: jax.Array, head_dim: int, theta: float
+) -> tuple[jax.Array, jax.Array]:
     """cos, sin [B, S, H] float32 for integer positions; frequencies repeat over both halves."""
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")

@@ -1,4 +1,5 @@
-"""Mixture-of-Experts feed-forward: router, dispatch (dropless / capacity), experts, block."""
+"""Mixture-of-Experts feed-forward: router, dispatch (dropless / capacity; `ep`: expert-parallel
+dropless), experts, block."""
 
 from moetext.models.moe.block import AUX_KEYS, LOAD_KEY, MoEBlock, zero_aux
 from moetext.models.moe.experts import Experts, gmm_from_config

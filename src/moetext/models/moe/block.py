@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from moetext.config.schema import MoEConfig
 from moetext.kernels.gmm import Gmm
@@ -68,8 +69,8 @@ class MoEBlock(nnx.Module):
         *,
         emb_dim: int,
         init_std: float,
-        param_dtype: jnp.dtype,
-        dtype: jnp.dtype,
+        param_dtype: DTypeLike,
+        dtype: DTypeLike,
         rngs: nnx.Rngs,
     ):
         check_moe_config(cfg)
@@ -127,7 +128,7 @@ class MoEBlock(nnx.Module):
         }
         return y_TD.reshape(b, s, d), aux
 
-    def _dropless(self, x_TD, ids_TK):
+    def _dropless(self, x_TD: jax.Array, ids_TK: jax.Array) -> jax.Array:
         # The sharding rules, not a flag, decide: tokens or experts split over mesh axes of
         # size > 1 mean a per-shard dispatch in shard_map (with an all-to-all when "exp" is).
         layout = ep.layout_from_context(self.cfg.num_experts)
@@ -137,7 +138,7 @@ class MoEBlock(nnx.Module):
         ys_MD = self.experts.grouped(xs_MD, group_sizes_E, self.gmm)
         return dsp.unpermute(ys_MD, order_M, ids_TK.shape[1])
 
-    def _capacity(self, x_TD, ids_TK):
+    def _capacity(self, x_TD: jax.Array, ids_TK: jax.Array) -> tuple[jax.Array, jax.Array]:
         e = self.cfg.num_experts
         t, k = ids_TK.shape
         cap = dsp.capacity(t, k, e, self.cfg.capacity_factor)

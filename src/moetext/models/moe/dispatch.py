@@ -15,9 +15,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 
-def permute(x_TD: jax.Array, ids_TK: jax.Array, num_experts: int):
+def permute(
+    x_TD: jax.Array, ids_TK: jax.Array, num_experts: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Rows of x repeated per assignment and sorted by expert.
 
     Returns xs_MD (row i is token order_M[i] // K), group_sizes_E int32 and order_M, the flat
@@ -40,7 +43,7 @@ def unpermute(ys_MD: jax.Array, order_M: jax.Array, k: int) -> jax.Array:
     return jnp.take(ys_MD, inverse_M, axis=0).reshape(m // k, k, d)
 
 
-def combine(y_TKD: jax.Array, weights_TK: jax.Array, dtype) -> jax.Array:
+def combine(y_TKD: jax.Array, weights_TK: jax.Array, dtype: DTypeLike) -> jax.Array:
     """sum_k weights[t, k] * y[t, k] accumulated in float32, cast to `dtype`."""
     out_TD = jnp.einsum("tkd,tk->td", y_TKD.astype(jnp.float32), weights_TK.astype(jnp.float32))
     return out_TD.astype(dtype)
@@ -57,7 +60,7 @@ def capacity(num_tokens: int, k: int, num_experts: int, factor: float) -> int:
     return max(1, min(num_tokens, math.ceil(factor * num_tokens * k / num_experts)))
 
 
-def capacity_slots(ids_TK: jax.Array, num_experts: int, cap: int):
+def capacity_slots(ids_TK: jax.Array, num_experts: int, cap: int) -> tuple[jax.Array, jax.Array]:
     """Slot of each assignment inside its expert's buffer, and whether it fits (slot < cap).
 
     Priority: all first choices (k = 0) in token order, then all second choices, and so on, so
@@ -71,7 +74,9 @@ def capacity_slots(ids_TK: jax.Array, num_experts: int, cap: int):
     return pos_TK, pos_TK < cap
 
 
-def to_buffers(x_TD: jax.Array, ids_TK: jax.Array, pos_TK: jax.Array, num_experts: int, cap: int):
+def to_buffers(
+    x_TD: jax.Array, ids_TK: jax.Array, pos_TK: jax.Array, num_experts: int, cap: int
+) -> jax.Array:
     """x_ECD with row t at [ids[t, k], pos[t, k]]; assignments with pos >= cap are dropped."""
     t, k = ids_TK.shape
     x_MD = jnp.repeat(x_TD, k, axis=0)

@@ -12,8 +12,9 @@ routed rows (the all-reduced [T*K, D] arrays of docs/performance.md). Per shard:
 
     permute local rows by global expert id -> exchange per-expert counts (all_gather over the
     exp axes) -> rows to the shard owning their expert (all-to-all) -> sort received rows by
-    local expert -> three gmm calls with group_offset = shard * L -> unsort -> rows back
-    (reverse all-to-all) -> unpermute -> y_TKD (the block combines with the routing weights)
+    local expert -> the SwiGLU's gmm calls (three; two under fuse_gate_up) with group_offset =
+    shard * L -> unsort -> rows back (reverse all-to-all) -> unpermute -> y_TKD (the block
+    combines with the routing weights)
 
 P = 1 (presets fsdp, fsdp_tp: tokens sharded, experts not) is the degenerate case: no counts
 exchange and no all-to-all; each shard sorts its own t*K rows and runs gmm against all E experts
@@ -37,15 +38,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
+from jax.typing import DTypeLike
 
 from moetext.kernels import gmm as gmm_lib
 from moetext.kernels.gmm import Gmm
 from moetext.models.moe import dispatch as dsp
-from moetext.models.moe.experts import swiglu_mlp
+from moetext.models.moe.experts import Experts, MatMul, swiglu_mlp
 from moetext.sharding import logical
 
 # Logical names of the expert weights (models/moe/experts.py creates them with these).
@@ -54,7 +57,10 @@ W_OUT_NAMES = ("exp", "mlp_moe", "embed")  # w_down [E, F, D]
 TOKEN_NAMES = ("batch", "length")
 
 # The ragged collective, looked up at call time so a test can substitute an emulation on CPU.
-ragged_all_to_all = jax.lax.ragged_all_to_all
+ragged_all_to_all: Callable[..., jax.Array] = jax.lax.ragged_all_to_all
+
+# What runs per shard inside shard_map: (x_tD, ids_tK, w_gate, w_up, w_down) -> y_tKD.
+ShardBody = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +76,7 @@ class EPLayout:
     exchange: str  # "ragged" | "padded" | "none" (P = 1)
 
 
-def _axes(entry) -> tuple[str, ...]:
+def _axes(entry: logical.MeshAxes) -> tuple[str, ...]:
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
@@ -126,8 +132,11 @@ def weight_gather(spec: PartitionSpec) -> gmm_lib.Gather:
     return tuple((dim, _axes(spec[dim])) for dim in range(1, len(spec)) if _axes(spec[dim]))
 
 
-def dropless(layout: EPLayout, x_TD, ids_TK, experts, gmm: Gmm) -> jax.Array:
-    """y_TKD = expert_{ids[t, k]}(x_t) for every assignment, experts split over the exp axes.
+def dropless(
+    layout: EPLayout, x_TD: jax.Array, ids_TK: jax.Array, experts: Experts, gmm: Gmm
+) -> jax.Array:
+    """y_TKD = expert_{ids[t, k]}(x_t) for every assignment, tokens split over the token axes
+    and experts over the exp axes (none when P = 1).
 
     `experts` is the block's `Experts` module (stacked global weights [E, D, F] / [E, F, D]);
     `gmm` the block's grouped matmul.
@@ -140,7 +149,7 @@ def dropless(layout: EPLayout, x_TD, ids_TK, experts, gmm: Gmm) -> jax.Array:
             f"shards of mesh axes {layout.token_axes} (mesh {dict(layout.mesh.shape)}); make "
             f"the global batch a multiple of {shards}"
         )
-    tok = PartitionSpec(layout.token_axes)
+    tok = PartitionSpec(layout.token_axes)  # type: ignore[no-untyped-call]  # jax: PartitionSpec.__new__ unannotated
     make_body = _local_body if layout.num_shards == 1 else _shard_body
     body = make_body(layout, experts.w_gate.shape[0], experts.dtype, gmm)
     fn = jax.shard_map(
@@ -155,11 +164,13 @@ def dropless(layout: EPLayout, x_TD, ids_TK, experts, gmm: Gmm) -> jax.Array:
     return fn(x_TD, ids_TK, experts.w_gate[...], experts.w_up[...], experts.w_down[...])
 
 
-def _local_body(layout: EPLayout, num_experts: int, dtype, gmm: Gmm):
+def _local_body(layout: EPLayout, num_experts: int, dtype: DTypeLike, gmm: Gmm) -> ShardBody:
     """P = 1: this shard's rows through all E experts; the only collectives are the weights'
     all-gathers (and, in the backward pass, their reduce-scatters)."""
 
-    def body(x_tD, ids_tK, w_gate, w_up, w_down):
+    def body(
+        x_tD: jax.Array, ids_tK: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
+    ) -> jax.Array:
         xs_mD, sizes_E, order_m = dsp.permute(x_tD.astype(dtype), ids_tK, num_experts)
         ys_mD = _swiglu(layout, xs_mD, (w_gate, w_up, w_down), sizes_E, None, gmm, dtype)
         return dsp.unpermute(ys_mD, order_m, ids_tK.shape[1])
@@ -167,11 +178,13 @@ def _local_body(layout: EPLayout, num_experts: int, dtype, gmm: Gmm):
     return body
 
 
-def _shard_body(layout: EPLayout, num_experts: int, dtype, gmm: Gmm):
+def _shard_body(layout: EPLayout, num_experts: int, dtype: DTypeLike, gmm: Gmm) -> ShardBody:
     p, axes = layout.num_shards, layout.exp_axes
     n_local = num_experts // p
 
-    def body(x_tD, ids_tK, w_gate, w_up, w_down):
+    def body(
+        x_tD: jax.Array, ids_tK: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
+    ) -> jax.Array:
         me = jax.lax.axis_index(axes)
         k = ids_tK.shape[1]
         xs_mD, sizes_E, order_m = dsp.permute(x_tD.astype(dtype), ids_tK, num_experts)
@@ -203,15 +216,23 @@ def _shard_body(layout: EPLayout, num_experts: int, dtype, gmm: Gmm):
     return body
 
 
-def _swiglu(layout, xs_RD, weights, group_sizes_E, group_offset, gmm: Gmm, dtype):
+def _swiglu(
+    layout: EPLayout,
+    xs_RD: jax.Array,
+    weights: tuple[jax.Array, jax.Array, jax.Array],
+    group_sizes_E: jax.Array,
+    group_offset: jax.Array | None,
+    gmm: Gmm,
+    dtype: DTypeLike,
+) -> jax.Array:
     """The local experts' SwiGLU on rows grouped by expert; rows of other experts come out 0.
 
     weights: this shard's slices (w_gate, w_up, w_down) in the parameter dtype; gmm gathers
     them along `weight_gather` in the compute dtype (or as FP8 under fp8_blockwise's qag).
     """
 
-    def mm(spec):
-        def run(lhs, w):
+    def mm(spec: PartitionSpec) -> MatMul:
+        def run(lhs: jax.Array, w: jax.Array) -> jax.Array:
             return gmm(
                 lhs,
                 w,
@@ -239,11 +260,11 @@ def _swiglu(layout, xs_RD, weights, group_sizes_E, group_offset, gmm: Gmm, dtype
     )
 
 
-def _exclusive_cumsum(x, axis):
+def _exclusive_cumsum(x: jax.Array, axis: int) -> jax.Array:
     return jnp.cumsum(x, axis=axis) - x
 
 
-def _count_le(ends, rows):
+def _count_le(ends: jax.Array, rows: jax.Array) -> jax.Array:
     """For each row, how many of the sorted segment `ends` are <= it: the index of the segment
     holding the row (empty segments skipped), len(ends) past the last."""
     return jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)
@@ -252,7 +273,15 @@ def _count_le(ends, rows):
 class _PaddedExchange:
     """Fixed [P, C=m] row buffers per destination and a plain all_to_all (any platform)."""
 
-    def __init__(self, axes, p, n_local, me, sizes_PE, m):
+    def __init__(
+        self,
+        axes: tuple[str, ...],
+        p: int,
+        n_local: int,
+        me: jax.Array,
+        sizes_PE: jax.Array,
+        m: int,
+    ) -> None:
         self.axes, self.p, self.c = axes, p, m
         send_P = jnp.sum(sizes_PE[me].reshape(p, n_local), axis=1)
         self.send_start_P = _exclusive_cumsum(send_P, 0)
@@ -261,25 +290,26 @@ class _PaddedExchange:
         mine_PL = jax.lax.dynamic_slice_in_dim(sizes_PE, me * n_local, n_local, axis=1)
         self.mine_PL = mine_PL
 
-    def _slots(self):
+    def _slots(self) -> tuple[jax.Array, jax.Array]:
         slot_C = jnp.arange(self.c, dtype=jnp.int32)
         return slot_C, self.send_start_P[:, None] + slot_C[None, :]
 
-    def forward(self, xs_mD):
+    def forward(self, xs_mD: jax.Array) -> tuple[jax.Array, jax.Array]:
         slot_C, src_PC = self._slots()
         valid_PC = slot_C[None, :] < self.send_P[:, None]
         buf_PCD = jnp.where(
             valid_PC[..., None], jnp.take(xs_mD, jnp.minimum(src_PC, self.c - 1), axis=0), 0
         )
-        recv = jax.lax.all_to_all(buf_PCD.reshape(self.p * self.c, -1), self.axes, 0, 0, tiled=True)
+        send_RD = buf_PCD.reshape(self.p * self.c, -1)
+        recv = jax.lax.all_to_all(send_RD, self.axes, 0, 0, tiled=True)  # type: ignore[no-untyped-call]  # jax: unannotated
         ends_PL = jnp.cumsum(self.mine_PL, axis=1)
         # Local expert of received slot (i, s): how many of source i's expert blocks end at or
         # before s; n_local for the padding past what i sent.
         local_PC = jax.vmap(lambda ends_L: _count_le(ends_L, slot_C))(ends_PL)
         return recv, local_PC.reshape(-1)
 
-    def backward(self, ys_RD):
-        back = jax.lax.all_to_all(ys_RD, self.axes, 0, 0, tiled=True)
+    def backward(self, ys_RD: jax.Array) -> jax.Array:
+        back = jax.lax.all_to_all(ys_RD, self.axes, 0, 0, tiled=True)  # type: ignore[no-untyped-call]  # jax: unannotated
         # Sorted row r went to destination dest(r) at slot r - send_start[dest(r)].
         r_m = jnp.arange(self.c, dtype=jnp.int32)
         dest_m = jnp.minimum(_count_le(jnp.cumsum(self.send_P), r_m), self.p - 1)
@@ -290,7 +320,15 @@ class _PaddedExchange:
 class _RaggedExchange:
     """`ragged_all_to_all` with exact sizes; receive buffer of the worst case P*m rows (TPU)."""
 
-    def __init__(self, axes, p, n_local, me, sizes_PE, m):
+    def __init__(
+        self,
+        axes: tuple[str, ...],
+        p: int,
+        n_local: int,
+        me: jax.Array,
+        sizes_PE: jax.Array,
+        m: int,
+    ) -> None:
         self.axes, self.p, self.m = axes, p, m
         # s_PP[i, j]: rows shard i sends to shard j.
         s_PP = jnp.sum(sizes_PE.reshape(p, p, n_local), axis=2).astype(jnp.int32)
@@ -303,7 +341,7 @@ class _RaggedExchange:
         self.back_offsets_P = _exclusive_cumsum(s_PP, 1)[:, me]
         self.mine_PL = jax.lax.dynamic_slice_in_dim(sizes_PE, me * n_local, n_local, axis=1)
 
-    def forward(self, xs_mD):
+    def forward(self, xs_mD: jax.Array) -> tuple[jax.Array, jax.Array]:
         out = jnp.zeros((self.p * self.m, xs_mD.shape[1]), xs_mD.dtype)
         recv = ragged_all_to_all(
             xs_mD,
@@ -322,7 +360,7 @@ class _RaggedExchange:
         local_R = jnp.where(seg_R < ends_Q.shape[0], seg_R % n_local, n_local)
         return recv, local_R
 
-    def backward(self, ys_RD):
+    def backward(self, ys_RD: jax.Array) -> jax.Array:
         out = jnp.zeros((self.m, ys_RD.shape[1]), ys_RD.dtype)
         return ragged_all_to_all(
             ys_RD,

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from moetext.config.schema import KernelsConfig
 from moetext.errors import ConfigError
@@ -29,8 +30,8 @@ class Experts(nnx.Module):
         hidden_dim: int,
         *,
         init_std: float,
-        param_dtype: jnp.dtype,
-        dtype: jnp.dtype,
+        param_dtype: DTypeLike,
+        dtype: DTypeLike,
         rngs: nnx.Rngs,
     ):
         self.dtype = dtype

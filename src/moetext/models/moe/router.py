@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from moetext.models.layers.params import make_param, normal
 
@@ -19,7 +20,15 @@ class Router(nnx.Module):
     to pick its top-k, and the matrix is tiny.
     """
 
-    def __init__(self, emb_dim: int, num_experts: int, *, init_std, param_dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        emb_dim: int,
+        num_experts: int,
+        *,
+        init_std: float,
+        param_dtype: DTypeLike,
+        rngs: nnx.Rngs,
+    ):
         self.w = make_param(
             rngs, normal(init_std), (emb_dim, num_experts), ("embed", None), param_dtype
         )
@@ -28,7 +37,9 @@ class Router(nnx.Module):
         return jnp.dot(x_TD.astype(jnp.float32), self.w[...].astype(jnp.float32))
 
 
-def route(logits_TE: jax.Array, k: int, norm_topk_prob: bool):
+def route(
+    logits_TE: jax.Array, k: int, norm_topk_prob: bool
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Softmax over experts, then top-k (ties go to the lower expert id).
 
     Returns weights_TK float32 (renormalised to sum to 1 when norm_topk_prob), ids_TK int32 and
