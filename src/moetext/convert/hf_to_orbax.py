@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import jax
 import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
@@ -40,6 +41,8 @@ from moetext.errors import ConfigError
 from moetext.models.qwen3_moe import hf as qwen3_hf
 
 SAVE_CONCURRENT_GB = 1
+# Chunks of at most this many bytes: tensorstore encodes and writes a chunk at a time.
+SAVE_ARGS = ocp.SaveArgs(chunk_byte_size=8 * 2**20)
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -189,7 +192,14 @@ def hf_to_orbax(
         for t in tensors:
             var = _leaf(params, t.path)
             var.set_value(_mapped(reader, t, target, scratch))
-        handler = ocp.PyTreeCheckpointHandler(save_concurrent_gb=SAVE_CONCURRENT_GB)
+        # Orbax deep-copies NumPy leaves before writing by default: that would copy every
+        # memory map into anonymous memory at once. Write straight from the maps instead.
+        registry = ocp.type_handlers.create_type_handler_registry(
+            (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False))
+        )
+        handler = ocp.PyTreeCheckpointHandler(
+            save_concurrent_gb=SAVE_CONCURRENT_GB, type_handler_registry=registry, use_ocdbt=False
+        )
         ckptr = ocp.Checkpointer(
             ocp.CompositeCheckpointHandler(state=handler, meta=ocp.JsonCheckpointHandler())
         )
@@ -202,7 +212,10 @@ def hf_to_orbax(
         ckptr.save(
             ckpt,
             args=ocp.args.Composite(
-                state=ocp.args.PyTreeSave({"params": params}),
+                state=ocp.args.PyTreeSave(
+                    {"params": params},
+                    save_args=jax.tree.map(lambda _: SAVE_ARGS, {"params": params}),
+                ),
                 meta=ocp.args.JsonSave(meta),
             ),
         )

@@ -1,0 +1,21 @@
+"""Runs one hf-to-orbax conversion for test_streaming_memory.py, after a handshake so the
+parent can read this process's anonymous memory before and during the conversion.
+
+    python -m tests.convert.memory_worker HF_DIR OUT_DIR
+"""
+
+from __future__ import annotations
+
+import sys
+
+import moetext  # noqa: F401  (quiets libtpu's TPU probing where there is no TPU)
+from moetext.convert.hf_to_orbax import hf_to_orbax
+
+# Everything the conversion imports is loaded before the baseline is read.
+import jax.numpy as jnp  # isort: skip
+
+jnp.zeros(1).block_until_ready()
+print("READY", flush=True)
+sys.stdin.readline()
+hf_to_orbax(sys.argv[1], sys.argv[2])
+print("DONE", flush=True)
