@@ -141,6 +141,9 @@ class _Broken(Exception):
 
 
 class Checkpointer:
+    """<run_dir>/checkpoints through one orbax CheckpointManager: save (async by config),
+    resume-time checks and restore (see the module docstring)."""
+
     def __init__(self, cfg: CheckpointConfig, run_dir: epath.PathLike):
         self.cfg = cfg
         run_dir = epath.Path(run_dir)
@@ -157,7 +160,8 @@ class Checkpointer:
         quiet_orbax_failures()
 
     def latest_step(self) -> int | None:
-        return self._mngr.latest_step()
+        step: int | None = self._mngr.latest_step()  # (orbax is untyped: Any)
+        return step
 
     def latest_path(self) -> str | None:
         step = self.latest_step()
@@ -350,10 +354,13 @@ class Checkpointer:
 
 def abstract_like(tree: Any) -> Any:
     """ShapeDtypeStructs carrying each array's sharding: the restore target."""
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-        tree,
-    )
+
+    def abstract(x: Any) -> jax.ShapeDtypeStruct:
+        sharding = getattr(x, "sharding", None)
+        # jax: ShapeDtypeStruct.__init__ is unannotated.
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)  # type: ignore[no-untyped-call]
+
+    return jax.tree.map(abstract, tree)
 
 
 class _JsonState:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import optax
 
@@ -9,6 +11,8 @@ from moetext.config import OptimConfig
 
 
 def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    """Linear warmup from 0 to the peak, then cosine decay to min_lr_ratio * peak over
+    optim.decay_steps (default: the steps left after warmup), flat after that."""
     decay = (
         cfg.decay_steps if cfg.decay_steps is not None else max(total_steps - cfg.warmup_steps, 1)
     )
@@ -21,13 +25,15 @@ def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     )
 
 
-def decay_mask(params):
-    # Weight matrices (and expert stacks) decay; norm scales and other vectors do not.
+def decay_mask(params: Any) -> Any:
+    """True for the leaves weight decay applies to: weight matrices and expert stacks (ndim >=
+    2, embeddings included); False for norm scales, biases and other vectors."""
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
 def build(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    parts = []
+    """Global-norm clipping (unless optim.clip_norm is None), then AdamW on `schedule`."""
+    parts: list[optax.GradientTransformation] = []
     if cfg.clip_norm is not None:
         parts.append(optax.clip_by_global_norm(cfg.clip_norm))
     parts.append(

@@ -1,6 +1,7 @@
 """Configuration: frozen dataclasses per component (each checks itself), the YAML loader, the
-cross-section checks (`validate`) and the sharding presets (`presets`). Imports no other
-moetext package but `moetext.errors`."""
+cross-section checks (`validate`), the sharding presets (`presets`) and the config reference
+rendered from the field docstrings (`docs`, docs/config.md). Imports no other moetext package
+but `moetext.errors`."""
 
 from moetext.config.loader import from_dict, load, save, to_dict
 from moetext.config.schema import (

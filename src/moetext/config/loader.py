@@ -12,7 +12,7 @@ import os
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import yaml
 
@@ -21,9 +21,13 @@ from moetext.config.shipped import SHIPPED_CONFIGS
 from moetext.config.validate import validate
 from moetext.errors import ConfigError
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
-def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Config:
-    """Loads `path` (following `base_config` chains) and applies `section.key=value` overrides.
+
+def load(path: str | os.PathLike[str], overrides: typing.Sequence[str] = ()) -> Config:
+    """Loads `path` (following `base_config` chains), applies `section.key=value` overrides and
+    runs the cross-section checks (`validate`); every mistake is a ConfigError.
 
     A relative `configs/...` path that does not exist here names a shipped config, so
     `python -m train configs/models/tiny-qwen3-moe.yml` works from any directory.
@@ -38,25 +42,26 @@ def load(path: str | os.PathLike, overrides: typing.Sequence[str] = ()) -> Confi
 
 
 def from_dict(raw: dict[str, Any]) -> Config:
+    """A `Config` from a plain nested dict, decoded as strictly as `load` (no `validate`)."""
     return _build(Config, raw, prefix="")
 
 
-def to_dict(cfg: Any) -> dict[str, Any]:
-    """Plain YAML-friendly dict (tuples become lists)."""
-
-    def plain(v):
-        if dataclasses.is_dataclass(v):
-            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
-        if isinstance(v, tuple | list):
-            return [plain(x) for x in v]
-        if isinstance(v, dict):
-            return {k: plain(x) for k, x in v.items()}
-        return v
-
-    return plain(cfg)
+def to_dict(cfg: DataclassInstance) -> dict[str, Any]:
+    """Plain YAML-friendly dict of a config dataclass (nested ones too; tuples become lists)."""
+    return {f.name: _plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
 
 
-def save(cfg: Config, path: str | os.PathLike) -> None:
+def _plain(v: Any) -> Any:
+    if dataclasses.is_dataclass(v):
+        return {f.name: _plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+    if isinstance(v, tuple | list):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
+
+
+def save(cfg: Config, path: str | os.PathLike[str]) -> None:
     """Writes the resolved config as YAML (local or any etils.epath filesystem, e.g. gs://)."""
     from etils import epath
 
@@ -68,7 +73,7 @@ def save(cfg: Config, path: str | os.PathLike) -> None:
 # --- YAML tree -------------------------------------------------------------------------------
 
 
-def _locate(path: str | os.PathLike) -> Path:
+def _locate(path: str | os.PathLike[str]) -> Path:
     """`path` itself, or the shipped config it names when it is a relative `configs/...` path
     that does not exist relative to the working directory."""
     given = Path(path)
@@ -108,7 +113,7 @@ def _load_yaml_tree(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     return _deep_merge(merged, data)
 
 
-def _deep_merge(base: dict, over: dict) -> dict:
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in over.items():
         if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "mesh":
@@ -129,7 +134,7 @@ def _split_override(item: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def _set_dotted(raw: dict, key: str, value: Any) -> None:
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     parts = key.split(".")
     if len(parts) < 2:
         raise ConfigError(
@@ -158,7 +163,7 @@ MOVED_KEYS = {
 # --- typed decoding --------------------------------------------------------------------------
 
 
-def _build(cls: type, raw: Any, prefix: str) -> Any:
+def _build[T: DataclassInstance](cls: type[T], raw: Any, prefix: str) -> T:
     where = prefix.rstrip(".") or "config"
     if raw is None:
         raw = {}
@@ -166,7 +171,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
         raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     for key, value in raw.items():
         if key not in names:
             if prefix + str(key) in MOVED_KEYS:
@@ -192,7 +197,7 @@ def _type_name(tp: Any) -> str:
 def _coerce(tp: Any, value: Any, key: str) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
 
-    def fail():
+    def fail() -> NoReturn:
         raise ConfigError(
             f"config key {key!r}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})"
         )

@@ -86,7 +86,10 @@ def axis_sizes(preset: Preset, num_devices: int) -> tuple[dict[str, int], dict[s
     dcn = dict(preset.dcn_mesh)
     slices = math.prod(dcn.values())
     ici = dict(preset.mesh)
-    desc = lambda sizes: " x ".join(f"{a}={sizes[a]}" for a in preset.mesh_axes)
+
+    def desc(sizes: dict[str, int]) -> str:
+        return " x ".join(f"{a}={sizes[a]}" for a in preset.mesh_axes)
+
     if num_devices % slices:
         raise ConfigError(
             f"sharding.dcn_mesh {desc(dcn)} asks for {slices} slices, which does not divide "
@@ -146,7 +149,13 @@ def _sizes(raw: Any, axes: tuple[str, ...], where: str, allow_fill: bool) -> dic
     return sizes
 
 
-def _merge_sizes(preset, base, overrides, where, allow_fill) -> dict[str, int]:
+def _merge_sizes(
+    preset: Preset,
+    base: dict[str, int],
+    overrides: dict[str, int],
+    where: str,
+    allow_fill: bool,
+) -> dict[str, int]:
     sizes = dict(base)
     for axis, size in overrides.items():
         _check_axis(axis, preset.mesh_axes, f"{where} (preset {preset.name!r})")
@@ -161,9 +170,9 @@ def _check_axis(axis: Any, axes: tuple[str, ...], where: str) -> None:
 
 
 def _check_size(size: Any, where: str, allow_fill: bool) -> int:
-    ok = isinstance(size, int) and not isinstance(size, bool)
-    if ok and (size >= 1 or (allow_fill and size == -1)):
-        return size
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size >= 1 or (allow_fill and size == -1):
+            return size
     expected = "a positive integer or -1 (fill)" if allow_fill else "a positive integer"
     raise ConfigError(f"{where}: expected {expected}, got {size!r}")
 

@@ -20,7 +20,7 @@ DType = Literal["float32", "bfloat16", "float16"]
 @dataclass(frozen=True)
 class ModelConfig:
     family: str = "qwen3_moe"
-    """Model family name in `moetext.models.registry` (qwen3_moe, dense)."""
+    """Model family registered in `moetext.models.family` (qwen3_moe, dense)."""
     vocab_size: int = 32000
     """Vocabulary size (embedding rows and LM-head columns)."""
     emb_dim: int = 256
@@ -338,7 +338,8 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     """Multi-process (multi-host) start-up."""
 
-    def replace(self, **sections) -> Config:
+    def replace(self, **sections: Any) -> Config:
+        """A copy with the given sections replaced, e.g. `cfg.replace(train=train_cfg)`."""
         return dataclasses.replace(self, **sections)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from etils import epath
@@ -21,11 +21,14 @@ from moetext.data.batch import Batch
 from moetext.data.synthetic import SyntheticData
 from moetext.errors import ConfigError
 
+if TYPE_CHECKING:
+    from moetext.data.tokenizer import Tokenizer
+
 
 class TrainData:
     """Batches (this process's rows) for training and evaluation, with a resumable position."""
 
-    tokenizer: Any = None  # moetext.data.tokenizer.Tokenizer for text data
+    tokenizer: Tokenizer | None = None  # set for text data
 
     def next_batch(self) -> Batch:
         raise NotImplementedError
@@ -85,7 +88,11 @@ class SyntheticTrainData(TrainData):
 class TextTrainData(TrainData):
     """Packed rows of a prepared TFDS dataset (see moetext.data.pipeline)."""
 
-    def __init__(self, cfg: DataConfig, dataset_dir: str, tokenizer: Any, rows: Sequence[int]):
+    tokenizer: Tokenizer
+
+    def __init__(
+        self, cfg: DataConfig, dataset_dir: str, tokenizer: Tokenizer, rows: Sequence[int]
+    ):
         from moetext.data import pipeline
 
         self.cfg, self.dataset_dir, self.tokenizer, self.rows = cfg, dataset_dir, tokenizer, rows
@@ -130,7 +137,8 @@ def build(cfg: DataConfig, vocab_size: int, rows: Sequence[int] | None = None) -
     """The data for rows `rows` of each global batch (all rows by default).
 
     Raises ConfigError (before anything compiles) for a dataset that is not prepared, a
-    missing tokenizer, or a tokenizer with more pieces than the model's vocab_size.
+    missing tokenizer, or a tokenizer with more pieces than the model's vocab_size. The
+    embedded corpus (data.name=python_docs) is prepared on first use instead.
     """
     rows = list(range(cfg.global_batch_size)) if rows is None else list(rows)
     if cfg.kind == "synthetic":
@@ -141,8 +149,9 @@ def build(cfg: DataConfig, vocab_size: int, rows: Sequence[int] | None = None) -
     raise ConfigError(f"unknown data.kind {cfg.kind!r}; valid: synthetic, tfds")
 
 
-def resolve_tfds(cfg: DataConfig, vocab_size: int) -> tuple[str, Any]:
-    """(prepared dataset directory, loaded tokenizer), checked against the model."""
+def resolve_tfds(cfg: DataConfig, vocab_size: int) -> tuple[str, Tokenizer]:
+    """(prepared dataset directory, loaded tokenizer), checked against the model; prepares the
+    embedded python_docs corpus (and its tokenizer) when it is not there yet."""
     from moetext.data import corpus
     from moetext.data.tokenizer import find_tokenizer, load_tokenizer
 
@@ -189,10 +198,11 @@ def _dataset_version_dir(data_dir: str, name: str) -> str:
             f"--input 'path/to/corpus/*.jsonl' --name {name} --data_dir {data_dir}"
         )
     newest = max(versions, key=lambda v: tuple(int(x) for x in v.split(".") if x.isdigit()))
-    return os.fspath(root / newest)
+    version_dir: str = os.fspath(root / newest)  # (etils.epath is untyped: Any)
+    return version_dir
 
 
-def save_tokenizer(data: TrainData, run_dir: str | os.PathLike) -> None:
+def save_tokenizer(data: TrainData, run_dir: str | os.PathLike[str]) -> None:
     """Copies the run's tokenizer into RUN_DIR/tokenizer so the run is self-contained."""
     if data.tokenizer is None:
         return

@@ -14,7 +14,13 @@ its input token, so no token is predicted from another document's context.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    import jax
 
 KEYS = ("tokens", "segment_ids", "positions")
 
@@ -34,11 +40,13 @@ def from_tokens(tokens_BS1: np.ndarray) -> Batch:
     }
 
 
-def target_mask(batch):
+def target_mask[A: (np.ndarray, jax.Array)](batch: Mapping[str, A]) -> A:
     """[B, S] bool: targets that count in the loss (not padding, same document as the input).
     NumPy or jax arrays alike (the train step and the data statistics share it)."""
     seg = batch["segment_ids"]
-    return (seg[:, 1:] != 0) & (seg[:, 1:] == seg[:, :-1])
+    # Annotated: numpy's stubs type comparisons of an array of unknown dtype as Any.
+    mask: A = (seg[:, 1:] != 0) & (seg[:, 1:] == seg[:, :-1])
+    return mask
 
 
 def unigram_entropy(batches: list[Batch]) -> float:

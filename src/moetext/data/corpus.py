@@ -200,4 +200,4 @@ def _train_tokenizer(dataset_dir: str, vocab: int) -> str:
 def _ready(dataset_dir: str) -> bool:
     record = prepare_lib.read_record(dataset_dir)
     extra = (record or {}).get("options", {}).get("extra", {})
-    return extra.get("corpus_format") == CORPUS_FORMAT
+    return bool(extra.get("corpus_format") == CORPUS_FORMAT)

@@ -2,10 +2,12 @@
 
 The global batch is B independent row streams (B = data.global_batch_size). Stream r reads
 documents r, r + B, r + 2B, ... of the split in a seeded order that is reshuffled every
-epoch (grain's index shuffle over the array_record source: random access, no shuffle buffer),
-tokenizes each one on the fly as [BOS] + text + [EOS], and cuts the concatenation into rows
-of S + 1 tokens. A document that does not fit in the rest of a row continues at the start of
-the stream's next row, its positions counting on, so no token is ever dropped or padded.
+epoch (grain's index shuffle over the array_record source: random access, no shuffle buffer;
+with data.shuffle=false, and for evaluation, in stored order, repeated), tokenizes each one
+on the fly as [BOS] + text + [EOS] (no BOS when the tokenizer defines none), and cuts the
+concatenation into rows of S + 1 tokens.
+A document that does not fit in the rest of a row continues at the start of the stream's
+next row, its positions counting on, so no token is ever dropped or padded.
 
 So row r at step n depends only on (dataset, seed, r, n): a process that owns rows i..j runs
 streams i..j and nothing else, and packing does not depend on the number of processes. A
@@ -20,7 +22,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import grain
 import numpy as np
@@ -123,7 +125,7 @@ class PackedBatches:
         get = lambda k: docs[k]
         self._streams = [RowStream(get, r, global_batch_size, seq_len + 1) for r in self.rows]
 
-    def __iter__(self):
+    def __iter__(self) -> Self:
         return self
 
     def __next__(self) -> Batch:
@@ -147,6 +149,10 @@ class PackedBatches:
             s.set_state(state[str(s.row)])
 
 
+# What the prefetch thread hands over: (batch, the state after it), or the source's exception.
+_Item = tuple[Batch, dict[str, Any]] | Exception
+
+
 class Prefetcher:
     """Prepares the next `depth` batches in a background thread while the step runs.
 
@@ -156,8 +162,8 @@ class Prefetcher:
 
     def __init__(self, source: PackedBatches, depth: int):
         self._source, self._depth = source, max(int(depth), 1)
-        self._state = source.get_state()
-        self._queue: queue.Queue | None = None
+        self._state: dict[str, Any] = source.get_state()
+        self._queue: queue.Queue[_Item] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -171,7 +177,7 @@ class Prefetcher:
         assert self._queue is not None
         while not self._stop.is_set():
             try:
-                item: Any = (next(self._source), self._source.get_state())
+                item: _Item = (next(self._source), self._source.get_state())
             except Exception as e:  # handed to the consumer, raised there
                 item = e
             while not self._stop.is_set():
@@ -183,7 +189,7 @@ class Prefetcher:
             if isinstance(item, Exception):
                 return
 
-    def __iter__(self):
+    def __iter__(self) -> Self:
         return self
 
     def __next__(self) -> Batch:

@@ -73,7 +73,8 @@ class SentencePieceTokenizer:
         out = epath.Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         epath.Path(self.path).copy(out / SENTENCEPIECE_FILE, overwrite=True)
-        return os.fspath(out / SENTENCEPIECE_FILE)
+        saved: str = os.fspath(out / SENTENCEPIECE_FILE)  # (etils.epath is untyped: Any)
+        return saved
 
     def __repr__(self) -> str:
         return f"SentencePieceTokenizer({self.path!r}, vocab_size={self.vocab_size})"
@@ -165,7 +166,8 @@ class HfTokenizer:
         epath.Path(self.path).copy(out / HF_FILE, overwrite=True)
         if self.config_path:
             epath.Path(self.config_path).copy(out / HF_CONFIG_FILE, overwrite=True)
-        return os.fspath(out / HF_FILE)
+        saved: str = os.fspath(out / HF_FILE)  # (etils.epath is untyped: Any)
+        return saved
 
     def __repr__(self) -> str:
         return f"HfTokenizer({self.path!r}, vocab_size={self.vocab_size})"

@@ -21,8 +21,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MeshAxes = str | Sequence[str] | None
 Rules = Sequence[tuple[str, MeshAxes]]
+# What `use_rules` activates: the mesh and its rules (frozen into a tuple).
+Active = tuple[Mesh, tuple[tuple[str, MeshAxes], ...]]
 
-_CURRENT: contextvars.ContextVar[tuple[Mesh, tuple] | None] = contextvars.ContextVar(
+_CURRENT: contextvars.ContextVar[Active | None] = contextvars.ContextVar(
     "moetext_logical_rules", default=None
 )
 
@@ -63,7 +65,7 @@ def logical_to_mesh_spec(
                     break
         used.update(chosen)
         spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
-    return PartitionSpec(*spec)
+    return PartitionSpec(*spec)  # type: ignore[no-untyped-call]  # jax: __new__ unannotated
 
 
 @contextlib.contextmanager
@@ -80,7 +82,7 @@ def use_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
         _CURRENT.reset(token)
 
 
-def current() -> tuple[Mesh, tuple] | None:
+def current() -> Active | None:
     """(mesh, rules) of the innermost active `use_rules`, or None."""
     return _CURRENT.get()
 
@@ -94,4 +96,7 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
         raise ValueError(f"logical names {tuple(names)} do not match the rank of shape {x.shape}")
     mesh, rules = ctx
     spec = logical_to_mesh_spec(names, rules, mesh.axis_names)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    sharding = NamedSharding(mesh, spec)
+    # jax: with_sharding_constraint is unannotated (an untyped call returning Any).
+    y: jax.Array = jax.lax.with_sharding_constraint(x, sharding)  # type: ignore[no-untyped-call]
+    return y

@@ -42,7 +42,7 @@ def make_mesh(preset: Preset, devices: Sequence[jax.Device] | None = None) -> Me
     return Mesh(arr, names, axis_types=(AxisType.Auto,) * len(names))
 
 
-def _device_grid(shape: list[int], devices: list) -> np.ndarray:
+def _device_grid(shape: list[int], devices: list[jax.Device]) -> np.ndarray:
     # On TPU the physical torus order matters (neighbours on an axis share a link); other
     # platforms, and shapes mesh_utils cannot map, keep device order.
     if devices[0].platform == "tpu":
@@ -53,7 +53,9 @@ def _device_grid(shape: list[int], devices: list) -> np.ndarray:
     return np.array(devices, dtype=object).reshape(shape)
 
 
-def _sliced_grid(ici_shape: list[int], dcn_shape: list[int], devices: list) -> np.ndarray:
+def _sliced_grid(
+    ici_shape: list[int], dcn_shape: list[int], devices: list[jax.Device]
+) -> np.ndarray:
     # Devices without a slice_index (CPU, tests): consecutive blocks of devices are the slices.
     # Each axis becomes (dcn, ici) with dcn major, the same layout as the TPU hybrid mesh.
     n = len(ici_shape)
@@ -88,7 +90,8 @@ def initialize_distributed(cfg: DistributedConfig) -> bool:
         raise ConfigError(f"distributed.process_id={pid} is outside [0, num_processes={num})")
     if jax.config.jax_platforms in ("cpu", None) and (num or 1) > 1:
         # The CPU client has no cross-process collectives unless one is chosen.
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # jax: Config.update is unannotated.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # type: ignore[no-untyped-call]
     jax.distributed.initialize(
         coordinator_address=cfg.coordinator_address,
         num_processes=num,

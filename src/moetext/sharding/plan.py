@@ -18,8 +18,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, TypeGuard
 
 import jax
 from flax import nnx
@@ -42,7 +42,7 @@ class Plan:
     preset: Preset
     mesh: Mesh
 
-    def rules(self) -> contextlib.AbstractContextManager:
+    def rules(self) -> contextlib.AbstractContextManager[None]:
         """The context under which jitted functions must be traced (activation constraints)."""
         return logical.use_rules(self.mesh, self.preset.rules)
 
@@ -54,13 +54,15 @@ class Plan:
 
     @property
     def replicated(self) -> NamedSharding:
-        return NamedSharding(self.mesh, PartitionSpec())
+        spec = PartitionSpec()  # type: ignore[no-untyped-call]  # jax: __new__ unannotated
+        return NamedSharding(self.mesh, spec)
 
     @property
     def batch_sharding(self) -> NamedSharding:
         return self.sharding(BATCH_NAMES)
 
-    def check_names(self, names, where: str) -> None:
+    def check_names(self, names: Iterable[str | None], where: str) -> None:
+        """ConfigError for a logical name without a rule in the preset (`where` names its user)."""
         check_covered(names, self.preset, where)
 
     def shardings_for(self, tree: Any) -> Any:
@@ -68,7 +70,8 @@ class Plan:
         allowed), same structure; checks every logical name and every divisibility first."""
         return jax.tree_util.tree_map_with_path(self._leaf_sharding, tree, is_leaf=_is_variable)
 
-    def _leaf_sharding(self, path, leaf):
+    def _leaf_sharding(self, path: tuple[Any, ...], leaf: Any) -> Any:
+        """A NamedSharding, or for an nnx Variable the Variable holding one (same metadata)."""
         if not _is_variable(leaf):
             return self.replicated
         names = logical_names(leaf)
@@ -83,7 +86,13 @@ class Plan:
         self._check_divisible(where, shape, names, spec)
         return leaf.replace(value=NamedSharding(self.mesh, spec))
 
-    def _check_divisible(self, where, shape, names, spec) -> None:
+    def _check_divisible(
+        self,
+        where: str,
+        shape: tuple[int, ...],
+        names: Sequence[str | None],
+        spec: PartitionSpec,
+    ) -> None:
         for dim, (size, name, axes) in enumerate(zip(shape, names, spec, strict=True)):
             shards = _axes_size(self.mesh, axes)
             if size % shards:
@@ -101,7 +110,8 @@ def make_plan(cfg: ShardingConfig, devices: Sequence[jax.Device] | None = None) 
     return Plan(preset, make_mesh(preset, devices))
 
 
-def logical_names(var: nnx.Variable) -> tuple[str | None, ...] | None:
+def logical_names(var: nnx.Variable[Any]) -> tuple[str | None, ...] | None:
+    """The Variable's logical axis names from its nnx metadata, or None when it has none."""
     meta = var.get_metadata()
     for key in _NAME_KEYS:
         names = meta.get(key)
@@ -112,14 +122,19 @@ def logical_names(var: nnx.Variable) -> tuple[str | None, ...] | None:
 
 @contextlib.contextmanager
 def record_logical_names() -> Iterator[set[str | None]]:
-    """Collects the logical names every `constrain` looks up while tracing inside the block.
+    """Collects the logical names every `constrain` looks up while tracing inside the block
+    (any `logical_to_mesh_spec` call made there, `Plan.spec` included, is recorded too).
 
     `logical.constrain` replicates a name without a rule; recording lets the trainer turn that
     into an error (a typo must not silently replicate an activation)."""
     seen: set[str | None] = set()
     original = logical.logical_to_mesh_spec
 
-    def recording(names, rules, mesh_axis_names=None):
+    def recording(
+        names: Sequence[str | None],
+        rules: logical.Rules,
+        mesh_axis_names: Sequence[str] | None = None,
+    ) -> PartitionSpec:
         seen.update(names)
         return original(names, rules, mesh_axis_names)
 
@@ -130,9 +145,9 @@ def record_logical_names() -> Iterator[set[str | None]]:
         logical.logical_to_mesh_spec = original
 
 
-def path_str(path) -> str:
+def path_str(path: Iterable[object]) -> str:
     """params.layers.0.attn.w_q for a pytree key path."""
-    parts = []
+    parts: list[str] = []
     for k in path:
         for attr in ("key", "idx", "name"):
             if hasattr(k, attr):
@@ -149,7 +164,7 @@ def describe(plan: Plan) -> str:
     return f"sharding preset {plan.preset.name!r}, mesh {shape}"
 
 
-def _axes_size(mesh: Mesh, axes) -> int:
+def _axes_size(mesh: Mesh, axes: str | tuple[str, ...] | None) -> int:
     if axes is None:
         return 1
     if isinstance(axes, str):
@@ -157,5 +172,5 @@ def _axes_size(mesh: Mesh, axes) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
-def _is_variable(x) -> bool:
+def _is_variable(x: object) -> TypeGuard[nnx.Variable[Any]]:
     return isinstance(x, nnx.Variable)

@@ -35,7 +35,8 @@ class StepProfiler:
             return None
         start, stop = self.window
         if not self.active and start <= step < stop:
-            jax.block_until_ready(state)  # earlier steps stay out of the trace
+            # Earlier steps stay out of the trace (jax: block_until_ready is unannotated).
+            jax.block_until_ready(state)  # type: ignore[no-untyped-call]
             jax.profiler.start_trace(self.log_dir, create_perfetto_trace=True)
             self.active = True
             return f"profiler: tracing steps {step}..{stop - 1} into {self.log_dir}"
@@ -48,7 +49,8 @@ class StepProfiler:
         if not self.active:
             return None
         try:
-            jax.block_until_ready(state)  # the last step's device work belongs to the trace
+            # The last step's work belongs to the trace (jax: block_until_ready is unannotated).
+            jax.block_until_ready(state)  # type: ignore[no-untyped-call]
         finally:  # also when the run is failing (its error is what the user must see)
             jax.profiler.stop_trace()
         self.active = False

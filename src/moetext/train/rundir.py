@@ -1,8 +1,10 @@
 """The run directory: writable before anything compiles, room for a checkpoint, any filesystem.
 
-Every run-dir path (config.yml, metrics.jsonl, tokenizer/, tensorboard/, checkpoints/) goes
-through `etils.epath`, as orbax and TFDS do, so a `gs://bucket/run` run dir works where a GCS
-backend is installed (on TPU VMs: `pip install gcsfs`, or TensorFlow's tf.io.gfile).
+Every run-dir path (config.yml, metrics.jsonl, tokenizer/, checkpoints/) goes through
+`etils.epath`, as orbax and TFDS do, so a `gs://bucket/run` run dir works where a GCS backend
+is installed (on TPU VMs: `pip install gcsfs`, or TensorFlow's tf.io.gfile). The tensorboard/
+event files and profiler traces are written by tensorboardX and jax.profiler, which take the
+path as a string and use their own filesystem support.
 """
 
 from __future__ import annotations
@@ -60,7 +62,10 @@ def free_space_warning(run_dir: epath.Path, checkpoint_bytes: int, keep: int) ->
     need_all = (keep + 1) * checkpoint_bytes  # orbax deletes the oldest after the new one lands
     if free >= need_all:
         return None
-    gib = lambda n: f"{n / 2**30:.2f} GiB"
+
+    def gib(n: int) -> str:
+        return f"{n / 2**30:.2f} GiB"
+
     which = "one checkpoint" if free < checkpoint_bytes else f"{keep + 1} checkpoints"
     return (
         f"warning: {run_dir} has {gib(free)} free, less than {which} needs "

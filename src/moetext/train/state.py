@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.struct
 import jax
 import optax
@@ -11,6 +13,6 @@ from flax import nnx
 @flax.struct.dataclass
 class TrainState:
     step: jax.Array  # int32 scalar: optimizer steps taken (also the data position)
-    params: nnx.State  # nnx.Param leaves of the model
+    params: nnx.State[Any, Any]  # nnx.Param leaves of the model
     opt_state: optax.OptState
     rng: jax.Array  # uint32 raw key data, for any training-time randomness

@@ -1,4 +1,4 @@
-"""The jitted train and eval steps: loss + grads + update, metrics out.
+"""The train and eval steps (jitted by moetext.train.loop): loss + grads + update, metrics out.
 
 Legend: B batch, S sequence, V vocab. A batch (moetext.data.batch) is a dict of int32 tokens,
 segment_ids and positions, each [B, S + 1]: inputs are [:, :-1], targets tokens[:, 1:].
@@ -20,6 +20,11 @@ from moetext.data.batch import KEYS, target_mask
 from moetext.train.state import TrainState
 
 Batch = dict[str, jax.Array]
+Params = nnx.State[Any, Any]  # the nnx.Param state of the model (TrainState.params)
+Metrics = dict[str, jax.Array]  # scalars, and per-layer arrays such as expert_load
+# loss_fn's auxiliary output: (ce, the model's aux dict, nll_sum, count).
+LossAux = tuple[jax.Array, dict[str, jax.Array], jax.Array, jax.Array]
+LossFn = Callable[[Params, Batch], tuple[jax.Array, LossAux]]
 
 
 def masked_nll(
@@ -32,14 +37,14 @@ def masked_nll(
     return jnp.sum(nll_BS * mask_BS), jnp.sum(mask_BS)
 
 
-def make_loss_fn(graphdef: nnx.GraphDef, rest: nnx.State) -> Callable:
+def make_loss_fn(graphdef: nnx.GraphDef[Any], rest: nnx.State[Any, Any]) -> LossFn:
     """loss_fn(params, batch) -> (ce + moe_loss, (ce, aux, nll_sum, count)).
 
     ce is the mean NLL over the counted targets: not padding, and in the same segment as their
     input token (a document's first token is not predicted from the previous document).
     """
 
-    def loss_fn(params: nnx.State, batch: Batch):
+    def loss_fn(params: Params, batch: Batch) -> tuple[jax.Array, LossAux]:
         model = nnx.merge(graphdef, params, rest)
         tokens_BS1, seg_BS1 = batch["tokens"], batch["segment_ids"]
         logits_BSV, aux = model(
@@ -55,24 +60,28 @@ def make_loss_fn(graphdef: nnx.GraphDef, rest: nnx.State) -> Callable:
 
 
 def make_train_step(
-    graphdef: nnx.GraphDef,
-    rest: nnx.State,
+    graphdef: nnx.GraphDef[Any],
+    rest: nnx.State[Any, Any],
     tx: optax.GradientTransformation,
     lr_schedule: optax.Schedule,
     skip_nonfinite: bool = False,
-) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, Any]]]:
-    """skip_nonfinite: a step whose loss or grad norm is NaN/Inf keeps the params and optimizer
-    state it started from (the step counter still advances) and reports `skipped` = 1."""
+) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+    """train_step(state, batch) -> (state after one update, metrics): loss, ce_loss, grad_norm,
+    lr (of the step taken) and the model's aux outputs (moe_loss, expert_load, ...).
+
+    skip_nonfinite: a step whose loss or grad norm is NaN/Inf keeps the params and optimizer
+    state it started from (the step counter still advances) and reports `skipped` = 1 (0 for a
+    finite step; the key exists only with skip_nonfinite)."""
     loss_fn = make_loss_fn(graphdef, rest)
 
-    def train_step(state: TrainState, batch: Batch):
+    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         (loss, (ce, aux, _, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             state.params, batch
         )
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         grad_norm = optax.tree.norm(grads)
-        metrics = {
+        metrics: Metrics = {
             "loss": loss,
             "ce_loss": ce,
             "grad_norm": grad_norm,
@@ -94,12 +103,14 @@ def make_train_step(
     return train_step
 
 
-def make_eval_step(graphdef: nnx.GraphDef, rest: nnx.State) -> Callable:
+def make_eval_step(
+    graphdef: nnx.GraphDef[Any], rest: nnx.State[Any, Any]
+) -> Callable[[Params, Batch], Metrics]:
     """eval_step(params, batch): eval_loss (ce + moe_loss) and eval_ce_loss of the batch, and
     eval_nll_sum / eval_tokens for a token-weighted CE (perplexity) across batches."""
     loss_fn = make_loss_fn(graphdef, rest)
 
-    def eval_step(params: nnx.State, batch: Batch):
+    def eval_step(params: Params, batch: Batch) -> Metrics:
         loss, (ce, _, nll_sum, count) = loss_fn(params, batch)
         return {
             "eval_loss": loss,
@@ -111,9 +122,10 @@ def make_eval_step(graphdef: nnx.GraphDef, rest: nnx.State) -> Callable:
     return eval_step
 
 
-def abstract_batch(batch_size: int, seq_len: int, sharding: Sharding) -> dict[str, Any]:
+def abstract_batch(
+    batch_size: int, seq_len: int, sharding: Sharding
+) -> dict[str, jax.ShapeDtypeStruct]:
     """The batch as ShapeDtypeStructs (int32 [B, S + 1] each) for ahead-of-time lowering."""
-    return {
-        k: jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32, sharding=sharding)
-        for k in KEYS
-    }
+    shape = (batch_size, seq_len + 1)
+    # jax: ShapeDtypeStruct.__init__ is unannotated.
+    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in KEYS}  # type: ignore[no-untyped-call]
