@@ -99,3 +99,28 @@ def test_cli_refuses_to_overwrite_and_leaves_nothing_partial(tmp_path):
     assert r.returncode == 2 and "does not exist" in r.stderr
     r = _cli("orbax-to-hf", "--checkpoint", str(broken), "--out", str(tmp_path / "y"))
     assert r.returncode == 2 and "is not a moetext checkpoint" in r.stderr
+
+
+def test_tokenizer_files_travel_both_ways(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from moetext.data.tokenizer import load_tokenizer
+
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "dense_first_t5", src)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=90, special_tokens=["<|endoftext|>", "<unk>"])
+    tok.train_from_iterator(["hello world, a tiny corpus"] * 10, trainer)
+    tok.save(str(src / "tokenizer.json"))
+    (src / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    hf_to_orbax(src, tmp_path / "ckpt")
+    assert sorted(p.name for p in (tmp_path / "ckpt/tokenizer").iterdir()) == [
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    orbax_to_hf(tmp_path / "ckpt", tmp_path / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "hf" / name).read_bytes() == (src / name).read_bytes()
+    ids = load_tokenizer(str(tmp_path / "hf")).encode("hello world")
+    assert ids == load_tokenizer(str(src)).encode("hello world")
