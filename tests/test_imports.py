@@ -24,7 +24,7 @@ LAYERS: dict[str, set[str]] = {
     "models": {"errors", "config", "kernels", "sharding"},
     "train": {"errors", "config", "kernels", "sharding", "optim", "data", "checkpoint", "models"},
     "aot": {"errors", "config", "kernels", "sharding", "models", "optim", "train"},
-    "convert": {"errors", "config", "models"},
+    "convert": {"errors", "config", "models", "checkpoint"},
     "plot": {"errors"},
     "cli": {"errors", "config", "sharding", "checkpoint", "train"},
 }

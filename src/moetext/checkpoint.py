@@ -35,7 +35,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from moetext.config import CheckpointConfig, Config, to_dict
+from moetext.config import CheckpointConfig, Config, from_dict, to_dict
 from moetext.errors import ConfigError
 from moetext.orbax_noise import quiet_orbax_failures
 
@@ -62,7 +62,10 @@ RESUME_SAFE_FIELDS = frozenset(
         "train.skip_nonfinite_steps",
         "train.profile_steps",
         "train.profile_processes",
-        *(f"checkpoint.{k}" for k in ("enabled", "every", "keep", "async_save", "resume")),
+        *(
+            f"checkpoint.{k}"
+            for k in ("enabled", "every", "keep", "async_save", "resume", "load_params_from")
+        ),
         # Learning-rate schedule and AdamW hyperparameters (same optimizer-state structure).
         *(f"optim.{k}" for k in ("learning_rate", "warmup_steps", "decay_steps", "min_lr_ratio")),
         *(f"optim.{k}" for k in ("b1", "b2", "eps", "weight_decay")),
@@ -350,6 +353,62 @@ class Checkpointer:
             self.wait()
         finally:
             self._mngr.close()
+
+
+# Fields that decide a parameter's shape or value: checkpoints whose params another config
+# loads (load_params_from, conversion) must agree on them.
+SHAPE_FIELDS = {
+    "model": (
+        "family",
+        "vocab_size",
+        "emb_dim",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "mlp_dim",
+        "rope_theta",
+        "rms_norm_eps",
+        "qk_norm",
+        "tie_embeddings",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+    ),
+    "moe": (
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
+        "num_shared_experts",
+        "shared_intermediate_size",
+    ),
+}
+
+
+def shape_mismatches(a: Config, b: Config, a_name: str, b_name: str) -> list[str]:
+    """`section.field: <a_name> has X, <b_name> Y` for each SHAPE_FIELDS field that differs."""
+    out = []
+    for section, fields in SHAPE_FIELDS.items():
+        for name in fields:
+            x, y = getattr(getattr(a, section), name), getattr(getattr(b, section), name)
+            if x != y:
+                out.append(f"{section}.{name}: {a_name} has {x!r}, {b_name} {y!r}")
+    return out
+
+
+def read_meta_config(directory: epath.PathLike) -> Config:
+    """The config saved in a checkpoint directory's meta/ (a run's step or a conversion)."""
+    d = epath.Path(directory)
+    meta = d / "meta" / "metadata"
+    if not (d / "state").is_dir() or not meta.exists():
+        raise ConfigError(
+            f"{d} is not a moetext checkpoint (needs state/ and meta/: a run's "
+            "checkpoints/<step>/ or the output of python -m moetext.convert hf-to-orbax)"
+        )
+    saved = _read_json(meta).get("config")
+    if saved is None:
+        raise ConfigError(f"{meta} holds no config")
+    return from_dict(saved)
 
 
 def abstract_like(tree: Any) -> Any:

@@ -277,6 +277,9 @@ class CheckpointConfig:
     """Write checkpoints in the background while training continues."""
     resume: bool = True
     """Resume from the newest complete checkpoint in run_dir when one exists."""
+    load_params_from: str | None = None
+    """A checkpoint directory (a run's checkpoints/<step>/ or `moetext.convert hf-to-orbax`
+    output) whose params start a new run: step 0, fresh optimizer. Ignored on resume."""
 
     def __post_init__(self) -> None:
         _positive("checkpoint", every=self.every)

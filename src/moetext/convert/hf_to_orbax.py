@@ -34,6 +34,7 @@ from flax import nnx
 
 from moetext import config as config_lib
 from moetext import models
+from moetext.checkpoint import shape_mismatches
 from moetext.config.schema import Config
 from moetext.convert.hf import DTYPES, check_tensors, read_config
 from moetext.convert.safetensors_io import SafetensorsReader
@@ -52,31 +53,6 @@ TOKENIZER_FILES = (
     "added_tokens.json",
     "generation_config.json",
 )
-# Fields that decide a parameter's shape or value: a --config must agree with config.json.
-SHAPE_FIELDS = {
-    "model": (
-        "vocab_size",
-        "emb_dim",
-        "num_layers",
-        "num_heads",
-        "num_kv_heads",
-        "head_dim",
-        "mlp_dim",
-        "rope_theta",
-        "rms_norm_eps",
-        "qk_norm",
-        "tie_embeddings",
-        "decoder_sparse_step",
-        "mlp_only_layers",
-    ),
-    "moe": (
-        "num_experts",
-        "num_experts_per_tok",
-        "moe_intermediate_size",
-        "norm_topk_prob",
-        "num_shared_experts",
-    ),
-}
 
 
 def np_dtype(name: str) -> np.dtype[Any]:
@@ -89,15 +65,8 @@ def derive_config(hf_dir: str | Path, config_path: str | Path | None) -> Config:
     if config_path is None:
         return Config(model=model_cfg, moe=moe_cfg)
     cfg = config_lib.load(config_path)
-    bad = []
-    for section, fields in SHAPE_FIELDS.items():
-        ours, theirs = getattr(cfg, section), {"model": model_cfg, "moe": moe_cfg}[section]
-        for name in fields:
-            a, b = getattr(ours, name), getattr(theirs, name)
-            if a != b:
-                bad.append(f"{section}.{name}: {config_path} has {a!r}, config.json {b!r}")
-    if cfg.model.family != "qwen3_moe":
-        bad.append(f"model.family: {config_path} has {cfg.model.family!r}, config.json qwen3_moe")
+    from_json = Config(model=model_cfg, moe=moe_cfg)
+    bad = shape_mismatches(cfg, from_json, str(config_path), "config.json")
     if bad:
         raise ConfigError(f"{config_path} does not describe {hf_dir}: " + "; ".join(bad))
     return cfg

@@ -27,37 +27,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from moetext import config as config_lib
+from moetext.checkpoint import read_meta_config, shape_mismatches
 from moetext.config.schema import Config
 from moetext.convert import safetensors_io
-from moetext.convert.hf_to_orbax import SHAPE_FIELDS, _refuse_existing, np_dtype
+from moetext.convert.hf_to_orbax import _refuse_existing, np_dtype
 from moetext.errors import ConfigError
 from moetext.models.qwen3_moe import hf as qwen3_hf
 from moetext.models.qwen3_moe.model import moe_layer_pattern, segments
-
-
-def read_checkpoint_config(ckpt: Path) -> Config:
-    path = ckpt / "meta" / "metadata"
-    if not (ckpt / "state").is_dir() or not path.exists():
-        raise ConfigError(
-            f"{ckpt} is not a moetext checkpoint (needs state/ and meta/: a run's "
-            "checkpoints/<step>/ or the output of hf-to-orbax)"
-        )
-    saved = json.loads(path.read_text()).get("config")
-    if saved is None:
-        raise ConfigError(f"{path} holds no config; pass --config")
-    return config_lib.from_dict(saved)
-
-
-def _check_same_shapes(saved: Config, given: Config, where: str) -> None:
-    bad = [
-        f"{section}.{name}: checkpoint {getattr(getattr(saved, section), name)!r}, "
-        f"{where} {getattr(getattr(given, section), name)!r}"
-        for section, fields in SHAPE_FIELDS.items()
-        for name in fields
-        if getattr(getattr(saved, section), name) != getattr(getattr(given, section), name)
-    ]
-    if bad:
-        raise ConfigError(f"{where} does not describe the checkpoint: " + "; ".join(bad))
 
 
 class _Params:
@@ -132,10 +108,12 @@ def orbax_to_hf(
     ckpt, out = Path(checkpoint), Path(out)
     if not ckpt.is_dir():
         raise ConfigError(f"checkpoint directory {ckpt} does not exist")
-    cfg = read_checkpoint_config(ckpt)
+    cfg = read_meta_config(ckpt)
     if config_path is not None:
         given = config_lib.load(config_path)
-        _check_same_shapes(cfg, given, str(config_path))
+        bad = shape_mismatches(cfg, given, "the checkpoint", str(config_path))
+        if bad:
+            raise ConfigError(f"{config_path} does not describe {ckpt}: " + "; ".join(bad))
         cfg = given
     if cfg.model.family != "qwen3_moe":
         raise ConfigError(f"model.family={cfg.model.family!r}: only qwen3_moe converts to HF")

@@ -8,6 +8,8 @@ A `ModelFamily` is everything the rest of moetext needs to know about an archite
     flops_per_token  training FLOPs per token (the trainer's MFU, the AOT report)
     logical_axes     every logical axis name its params and activations use; the trainer checks
                      the sharding preset covers them before anything is built
+    stack_layers /   (optional) param tree unscanned <-> scan_layers layout, so a checkpoint of
+    unstack_layers   one layout loads into a run of the other
 
 The family's folder holds its module tree, its counts and (with checkpoint conversion) its
 Hugging Face name map; `register_family(FAMILY)` at the end of its `__init__.py` and one import
@@ -20,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections.abc import Callable
-from typing import Protocol, TypedDict
+from typing import Any, Protocol, TypedDict
 
 import jax
 from flax import nnx
@@ -74,6 +76,11 @@ class ModelFamily:
     logical_axes: frozenset[str]
     """Every logical axis name of its params and activation constraints (tests check this is
     exactly what the built model uses)."""
+    stack_layers: Callable[[dict[str, Any], ModelConfig], dict[str, Any]] | None = None
+    """Params as nested dicts (nnx pure dict), unscanned -> the scan_layers layout; None when
+    the family has one layout. Lets a checkpoint load into a run of the other layout."""
+    unstack_layers: Callable[[dict[str, Any], ModelConfig], dict[str, Any]] | None = None
+    """The inverse of stack_layers."""
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():

@@ -25,7 +25,7 @@ from moetext.data.batch import unigram_entropy
 from moetext.models.flops import flops_per_token
 from moetext.sharding import plan as sharding_plan
 from moetext.train import metrics as metrics_lib
-from moetext.train import nonfinite, preemption, rundir
+from moetext.train import nonfinite, params_from, preemption, rundir
 from moetext.train import peak as peak_lib
 from moetext.train.profiler import StepProfiler
 from moetext.train.state import TrainState
@@ -152,6 +152,15 @@ def run(cfg: Config) -> dict[str, Any]:
         if warning := rundir.free_space_warning(run_dir, size, cfg.checkpoint.keep):
             print(warning, file=sys.stderr, flush=True)
     state = _maybe_resume(b, ckpt, data)
+    if state is b.state and cfg.checkpoint.load_params_from:
+        # A new run from another checkpoint's params: free the random ones first (the loaded
+        # ones take their place on every device), keep the fresh optimizer state and step 0.
+        jax.tree.map(lambda x: x.delete(), state.params)
+        src = cfg.checkpoint.load_params_from
+        state = dataclasses.replace(state, params=params_from.load_params(cfg, b.plan, src))
+        b.state = state
+        if jax.process_index() == 0:
+            print(f"params from {src}", file=sys.stderr, flush=True)
     start = int(state.step)
 
     train_step = jit_train_step(b)

@@ -9,7 +9,7 @@ from moetext.config.schema import KernelsConfig, ModelConfig, MoEConfig
 from moetext.models.family import ModelFamily, ParamCounts, register_family
 from moetext.models.qwen3_moe import LOGICAL_AXES
 from moetext.models.qwen3_moe.flops import decoder_flops_per_token, decoder_param_counts
-from moetext.models.qwen3_moe.model import Decoder
+from moetext.models.qwen3_moe.model import Decoder, stack_layers, unstack_layers
 
 
 def _pattern(m: ModelConfig) -> tuple[bool, ...]:
@@ -37,5 +37,7 @@ FAMILY = register_family(
         count_params=_count,
         flops_per_token=_flops,
         logical_axes=LOGICAL_AXES - {"exp", "mlp_moe"},
+        stack_layers=lambda p, m: stack_layers(p, _pattern(m)),
+        unstack_layers=lambda p, m: unstack_layers(p, _pattern(m)),
     )
 )

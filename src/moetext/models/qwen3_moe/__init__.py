@@ -11,7 +11,12 @@ from flax import nnx
 from moetext.config.schema import KernelsConfig, ModelConfig, MoEConfig
 from moetext.models.family import ModelFamily, ParamCounts, register_family
 from moetext.models.qwen3_moe.flops import decoder_flops_per_token, decoder_param_counts
-from moetext.models.qwen3_moe.model import Decoder, moe_layer_pattern
+from moetext.models.qwen3_moe.model import (
+    Decoder,
+    moe_layer_pattern,
+    stack_layers,
+    unstack_layers,
+)
 
 # Params: embedding/head, attention, norms, dense MLP, router, experts; "layers" is the stacked
 # axis of scan_layers; activations: batch, length, embed, vocab (logits).
@@ -54,5 +59,7 @@ FAMILY = register_family(
         count_params=_count,
         flops_per_token=_flops,
         logical_axes=LOGICAL_AXES,
+        stack_layers=lambda p, m: stack_layers(p, moe_layer_pattern(m)),
+        unstack_layers=lambda p, m: unstack_layers(p, moe_layer_pattern(m)),
     )
 )
