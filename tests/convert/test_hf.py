@@ -96,6 +96,11 @@ def test_bad_checkpoints_fail_naming_the_problem(tmp_path):
     with pytest.raises(ConfigError, match=r"model.norm.weight has shape \(31,\); .* \(32,\)"):
         load_model(d)
 
+    d = _copy(tmp_path / "c2")
+    _rewrite(d, lambda t: t.update({"model.norm.weight": np.zeros(32, np.int32)}))
+    with pytest.raises(ConfigError, match=r"model.norm.weight has dtype int32; expected one of"):
+        load_model(d)
+
     d = _copy(tmp_path / "d", "sparse_step_released")
     (d / "model-00002-of-00005.safetensors").unlink()
     with pytest.raises(ConfigError, match="names shard model-00002-of-00005.safetensors"):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from moetext import models
@@ -45,6 +46,17 @@ def config_from_hf_dir(hf_dir: str | Path, dtype: str | None = None) -> Config:
         raise ConfigError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     model_cfg = dataclasses.replace(model_cfg, param_dtype=dtype, dtype=dtype)  # type: ignore[arg-type]
     return Config(model=model_cfg, moe=moe_cfg)
+
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_dtype(name: str, part: np.ndarray) -> None:
+    """Weights are floating point: anything else is a broken or foreign checkpoint."""
+    if part.dtype.name not in FLOAT_DTYPES:
+        raise ConfigError(
+            f"tensor {name} has dtype {part.dtype.name}; expected one of {', '.join(FLOAT_DTYPES)}"
+        )
 
 
 def check_tensors(reader: SafetensorsReader, tensors: list[qwen3_hf.Tensor], tied: bool) -> None:
@@ -83,6 +95,7 @@ def load_model(
     for t in tensors:
         parts = [reader.get(name) for name in t.hf_names]
         for name, part in zip(t.hf_names, parts, strict=True):
+            check_dtype(name, part)
             if tuple(part.shape) != t.hf_shape:
                 raise ConfigError(
                     f"tensor {name} has shape {tuple(part.shape)}; config.json needs "
