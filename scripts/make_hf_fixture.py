@@ -5,11 +5,12 @@ Needs torch and transformers, which moetext itself never imports; use a separate
     python3.12 -m venv /tmp/hfvenv && /tmp/hfvenv/bin/pip install torch transformers
     /tmp/hfvenv/bin/python scripts/make_hf_fixture.py [--out tests/fixtures/hf]
 
-Each fixture is a tiny random Qwen3MoeForCausalLM saved by `save_pretrained` (config.json +
-safetensors) with `input_ids.npy` [2, 12] and the float32 eager-attention logits of those ids,
-`logits.npy` [2, 12, V]. The configurations cover: a dense first layer (mlp_only_layers),
-decoder_sparse_step 2, norm_topk_prob true and false, head_dim != hidden_size / heads, tied and
-untied embeddings, one file and sharded files with an index, and both config.json spellings
+Each fixture is a tiny random Qwen3MoeForCausalLM (one Qwen2MoeForCausalLM) saved by
+`save_pretrained` (config.json + safetensors) with `input_ids.npy` [2, 12] and the float32
+eager-attention logits of those ids, `logits.npy` [2, 12, V]. The configurations cover: a dense
+first layer (mlp_only_layers), decoder_sparse_step 2, norm_topk_prob true and false,
+head_dim != hidden_size / heads, tied and untied embeddings, one file and sharded files with an
+index, Qwen2-MoE's q/k/v bias and sigmoid-gated shared expert, and both config.json spellings
 (transformers 5 as written; `released` is rewritten as the released Qwen3 checkpoints spell it:
 num_experts, rope_theta, torch_dtype).
 """
@@ -23,7 +24,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 FIXTURES = {
     # transformers 5 spelling, one file, dense first layer, head_dim 16 != 32 / 4, no renorm.
@@ -69,6 +75,28 @@ FIXTURES = {
         released=True,
         shard="40KB",
     ),
+    # Qwen2-MoE: q/k/v bias, no q/k norm, one sigmoid-gated shared expert, dense layer 1.
+    "qwen2_shared_expert": dict(
+        arch="qwen2",
+        config=dict(
+            vocab_size=72,
+            hidden_size=32,
+            intermediate_size=40,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+            rope_theta=10000.0,
+            tie_word_embeddings=False,
+        ),
+        released=False,
+        shard=None,
+    ),
 }
 
 
@@ -84,7 +112,11 @@ def released_spelling(cfg: dict) -> dict:
 
 def make(name: str, spec: dict, out: Path) -> None:
     torch.manual_seed(sum(map(ord, name)))
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**spec["config"], attn_implementation="eager"))
+    qwen2 = spec.get("arch") == "qwen2"
+    config_cls, model_cls = (
+        (Qwen2MoeConfig, Qwen2MoeForCausalLM) if qwen2 else (Qwen3MoeConfig, Qwen3MoeForCausalLM)
+    )
+    model = model_cls(config_cls(**spec["config"], attn_implementation="eager"))
     # Random init is ~N(0, 0.02): scale up so routing and logits are far from uniform.
     with torch.no_grad():
         for p in model.parameters():

@@ -28,7 +28,7 @@ def _tensors(d: Path) -> dict[str, np.ndarray]:
     return {n: np.asarray(r.get(n)) for n in r.names()}
 
 
-@pytest.mark.parametrize("name", ["dense_first_t5", "sparse_step_released"])
+@pytest.mark.parametrize("name", ["dense_first_t5", "sparse_step_released", "qwen2_shared_expert"])
 def test_hf_orbax_hf_is_bit_exact(tmp_path, name):
     src = FIXTURES / name
     cfg = hf_to_orbax(src, tmp_path / "ckpt")

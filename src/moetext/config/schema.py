@@ -41,6 +41,8 @@ class ModelConfig:
     """Epsilon of every RMSNorm."""
     qk_norm: bool = True
     """Per-head RMSNorm on q and k before RoPE (Qwen3)."""
+    attention_bias: bool = False
+    """Bias on the q, k and v projections (Qwen2, Qwen2-MoE)."""
     tie_embeddings: bool = False
     """Share the token embedding with the LM head."""
     param_dtype: DType = "float32"
@@ -95,6 +97,8 @@ class MoEConfig:
     """Always-on shared experts (fused into one SwiGLU of width n * shared_intermediate_size)."""
     shared_intermediate_size: int = 0
     """Intermediate size of each shared expert (0 means moe_intermediate_size)."""
+    shared_expert_gate: bool = False
+    """Scale the shared experts' output per token by sigmoid(x @ w [D, 1]) (Qwen2-MoE)."""
     aux_loss_weight: float = 0.001
     """Weight of the Switch-style load-balancing loss E * sum_e f_e * p_e."""
     z_loss_weight: float = 0.0
@@ -115,6 +119,11 @@ class MoEConfig:
             raise ConfigError(
                 f"moe.num_experts_per_tok={self.num_experts_per_tok} exceeds "
                 f"moe.num_experts={self.num_experts}: a token cannot pick more experts than exist"
+            )
+        if self.shared_expert_gate and self.num_shared_experts < 1:
+            raise ConfigError(
+                "moe.shared_expert_gate=true gates the shared experts: it needs "
+                f"moe.num_shared_experts >= 1, got {self.num_shared_experts}"
             )
         if self.capacity_factor <= 0:
             raise ConfigError(f"moe.capacity_factor must be positive, got {self.capacity_factor}")

@@ -112,6 +112,8 @@ def _mapped(
             np.copyto(out[e], np.asarray(part).T, casting="unsafe")
     elif t.kind == "same":
         np.copyto(out, parts[0], casting="unsafe")
+    elif t.kind == "bias_heads":
+        np.copyto(out.reshape(t.hf_shape), parts[0], casting="unsafe")
     else:  # [out, in] -> [in, out], then heads split: a view of `out` takes the copy directly
         flat = out.reshape(t.hf_shape[1], t.hf_shape[0])
         np.copyto(flat, np.asarray(parts[0]).T, casting="unsafe")

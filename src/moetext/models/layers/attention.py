@@ -13,7 +13,7 @@ from flax import nnx
 
 from moetext.config.schema import ModelConfig
 from moetext.models.layers.norms import RMSNorm
-from moetext.models.layers.params import as_dtype, make_param, normal
+from moetext.models.layers.params import as_dtype, make_param, normal, zeros
 from moetext.models.layers.rope import apply_rope
 
 
@@ -64,6 +64,11 @@ class Attention(nnx.Module):
         self.w_k = make_param(rngs, init, (d, kv, h), ("embed", "kv_heads", "head_dim"), pdt)
         self.w_v = make_param(rngs, init, (d, kv, h), ("embed", "kv_heads", "head_dim"), pdt)
         self.w_o = make_param(rngs, init, (n, h, d), ("heads", "head_dim", "embed"), pdt)
+        self.bias = bool(cfg.attention_bias)
+        if self.bias:  # Qwen2(-MoE): q, k, v projections with bias (zeros at init)
+            self.b_q = make_param(rngs, zeros, (n, h), ("heads", "head_dim"), pdt)
+            self.b_k = make_param(rngs, zeros, (kv, h), ("kv_heads", "head_dim"), pdt)
+            self.b_v = make_param(rngs, zeros, (kv, h), ("kv_heads", "head_dim"), pdt)
         self.qk_norm = bool(cfg.qk_norm)
         if self.qk_norm:
             self.q_norm = RMSNorm(h, eps=cfg.rms_norm_eps, param_dtype=pdt, rngs=rngs)
@@ -80,6 +85,10 @@ class Attention(nnx.Module):
         q_BSNH = jnp.einsum("bsd,dnh->bsnh", x, self.w_q[...].astype(self.dtype))
         k_BSKH = jnp.einsum("bsd,dkh->bskh", x, self.w_k[...].astype(self.dtype))
         v_BSKH = jnp.einsum("bsd,dkh->bskh", x, self.w_v[...].astype(self.dtype))
+        if self.bias:
+            q_BSNH = q_BSNH + self.b_q[...].astype(self.dtype)
+            k_BSKH = k_BSKH + self.b_k[...].astype(self.dtype)
+            v_BSKH = v_BSKH + self.b_v[...].astype(self.dtype)
         if self.qk_norm:
             q_BSNH, k_BSKH = self.q_norm(q_BSNH), self.k_norm(k_BSKH)
         q_BSNH = apply_rope(q_BSNH, cos_BSH, sin_BSH)

@@ -59,3 +59,8 @@ def normal(std: float) -> Callable[..., jax.Array]:
 def ones(key: jax.Array, shape: Sequence[int], dtype: DTypeLike = jnp.float32) -> jax.Array:
     del key
     return jnp.ones(shape, dtype)
+
+
+def zeros(key: jax.Array, shape: Sequence[int], dtype: DTypeLike = jnp.float32) -> jax.Array:
+    del key
+    return jnp.zeros(shape, dtype)

@@ -14,6 +14,7 @@ from jax.typing import DTypeLike
 from moetext.config.schema import MoEConfig
 from moetext.kernels.gmm import Gmm
 from moetext.models.layers.mlp import SwiGLU
+from moetext.models.layers.params import make_param, normal
 from moetext.models.moe import dispatch as dsp
 from moetext.models.moe import ep
 from moetext.models.moe.experts import Experts
@@ -104,6 +105,10 @@ class MoEBlock(nnx.Module):
             )
         else:
             self.shared = None
+        if cfg.shared_expert_gate:  # MoEConfig checked num_shared_experts >= 1
+            self.shared_gate = make_param(
+                rngs, normal(init_std), (emb_dim, 1), ("embed", None), param_dtype
+            )
 
     def __call__(self, x_BSD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         cfg = self.cfg
@@ -117,7 +122,11 @@ class MoEBlock(nnx.Module):
             y_TKD, dropped = self._capacity(x_TD, ids_TK)
         y_TD = dsp.combine(y_TKD, weights_TK, self.dtype)
         if self.shared is not None:
-            y_TD = y_TD + self.shared(x_TD)
+            shared_TD = self.shared(x_TD)
+            if self.cfg.shared_expert_gate:  # Qwen2-MoE: sigmoid(x @ w) per token
+                gate_T1 = jax.nn.sigmoid(jnp.dot(x_TD, self.shared_gate[...].astype(self.dtype)))
+                shared_TD = gate_T1 * shared_TD
+            y_TD = y_TD + shared_TD
         lb, z = load_balance_loss(probs_TE, ids_TK), router_z_loss(logits_TE)
         aux = {
             "moe_loss": cfg.aux_loss_weight * lb + cfg.z_loss_weight * z,

@@ -17,6 +17,7 @@ def decoder_param_counts(c: ModelConfig, moe: MoEConfig, pattern: Sequence[bool]
     """Counts of the Decoder with `pattern[i]` True where layer i is an MoE layer."""
     d, n, kv, h = c.emb_dim, c.num_heads, c.num_kv_heads, c.head_dim
     attn = d * n * h + 2 * d * kv * h + n * h * d + (2 * h if c.qk_norm else 0)
+    attn += (n + 2 * kv) * h if c.attention_bias else 0
     per_layer_common = attn + 2 * d  # attention + the two pre-norms
     dense_mlp = 3 * d * c.mlp_dim
     expert = 3 * d * moe.moe_intermediate_size
@@ -24,6 +25,7 @@ def decoder_param_counts(c: ModelConfig, moe: MoEConfig, pattern: Sequence[bool]
         moe.shared_intermediate_size or moe.moe_intermediate_size
     )
     moe_common = d * moe.num_experts + 3 * d * shared_width  # router + shared experts
+    moe_common += d if moe.shared_expert_gate else 0
     n_moe = sum(bool(m) for m in pattern)
     n_dense = c.num_layers - n_moe
     embedding = c.vocab_size * d

@@ -23,14 +23,15 @@ from moetext.config.schema import ModelConfig, MoEConfig
 from moetext.errors import ConfigError
 from moetext.models.qwen3_moe.model import moe_layer_pattern
 
-ARCHITECTURES = ("Qwen3MoeForCausalLM",)
-MODEL_TYPE = "qwen3_moe"
+# model_type -> architecture. Qwen2-MoE is this decoder without q/k norm, with q/k/v bias and a
+# sigmoid-gated shared expert (ModelConfig.attention_bias, MoEConfig.shared_expert_gate).
+ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 ParamPath = tuple[str | int, ...]
 
 
-Kind = Literal["same", "linear", "heads_in", "heads_out", "experts"]
+Kind = Literal["same", "linear", "heads_in", "heads_out", "experts", "bias_heads"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +40,7 @@ class Tensor:
 
     kind says how: same (identity), linear (torch [out, in] <-> [in, out]), heads_in (q/k/v:
     [n*h, d] <-> [d, n, h]), heads_out (o: [d, n*h] <-> [n, h, d]), experts (E torch
-    [out, in] tensors <-> one [E, in, out])."""
+    [out, in] tensors <-> one [E, in, out]), bias_heads (q/k/v bias: [n*h] <-> [n, h])."""
 
     path: ParamPath
     """Where it lives in the unscanned Decoder's nnx.State (nnx.Param leaves)."""
@@ -61,12 +62,16 @@ class Tensor:
             return (s[1] * s[2], s[0])
         if self.kind == "heads_out":
             return (s[2], s[0] * s[1])
+        if self.kind == "bias_heads":
+            return (s[0] * s[1],)
         return (s[2], s[1])  # experts
 
     def to_moetext(self, parts: Sequence[np.ndarray]) -> np.ndarray:
         x = np.asarray(parts[0])
         if self.kind == "same":
             return x
+        if self.kind == "bias_heads":
+            return x.reshape(self.shape)
         if self.kind == "linear":
             return np.ascontiguousarray(x.T)
         if self.kind in ("heads_in", "heads_out"):
@@ -79,6 +84,8 @@ class Tensor:
             return [x]
         if self.kind == "experts":
             return [np.ascontiguousarray(e.T) for e in x]
+        if self.kind == "bias_heads":
+            return [x.reshape(self.hf_shape)]
         flat = (self.hf_shape[1], self.hf_shape[0])  # the moetext side as [in, out]
         return [np.ascontiguousarray(x.reshape(flat).T)]
 
@@ -101,10 +108,14 @@ def tensor_map(m: ModelConfig, moe: MoEConfig) -> list[Tensor]:
                 (*me, "mlp_norm", "scale"), (f"{hf}.post_attention_layernorm.weight",), (d,), "same"
             ),
         ]
+        if m.attention_bias:
+            for which, heads in (("q", n), ("k", kv), ("v", kv)):
+                bias: ParamPath = (*me, "attn", f"b_{which}")
+                out.append(Tensor(bias, (f"{attn}.{which}_proj.bias",), (heads, h), "bias_heads"))
         if m.qk_norm:
             for which in ("q_norm", "k_norm"):
-                path = (*me, "attn", which, "scale")
-                out.append(Tensor(path, (f"{attn}.{which}.weight",), (h,), "same"))
+                norm: ParamPath = (*me, "attn", which, "scale")
+                out.append(Tensor(norm, (f"{attn}.{which}.weight",), (h,), "same"))
         if is_moe:
             out.append(
                 Tensor((*me, "mlp", "router", "w"), (f"{hf}.mlp.gate.weight",), (d, e), "linear")
@@ -116,6 +127,20 @@ def tensor_map(m: ModelConfig, moe: MoEConfig) -> list[Tensor]:
             ):
                 names = tuple(f"{hf}.mlp.experts.{j}.{theirs}.weight" for j in range(e))
                 out.append(Tensor((*me, "mlp", "experts", ours), names, shape, "experts"))
+            if moe.num_shared_experts:
+                width = moe.num_shared_experts * (
+                    moe.shared_intermediate_size or moe.moe_intermediate_size
+                )
+                for ours, theirs, shape2 in (
+                    ("w_gate", "gate_proj", (d, width)),
+                    ("w_up", "up_proj", (d, width)),
+                    ("w_down", "down_proj", (width, d)),
+                ):
+                    names2 = (f"{hf}.mlp.shared_expert.{theirs}.weight",)
+                    out.append(Tensor((*me, "mlp", "shared", ours), names2, shape2, "linear"))
+            if moe.shared_expert_gate:
+                names2 = (f"{hf}.mlp.shared_expert_gate.weight",)
+                out.append(Tensor((*me, "mlp", "shared_gate"), names2, (d, 1), "linear"))
         else:
             for ours, theirs, shape2 in (
                 ("w_gate", "gate_proj", (d, m.mlp_dim)),
@@ -168,24 +193,28 @@ def rope_theta(hf: Mapping[str, Any]) -> float:
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> tuple[ModelConfig, MoEConfig, str]:
-    """(model, moe, stored dtype) from a Qwen3-MoE config.json; unsupported values and
-    architectures fail naming the field."""
+    """(model, moe, stored dtype) from a Qwen3-MoE or Qwen2-MoE config.json; unsupported values
+    and architectures fail naming the field."""
+    kind = hf.get("model_type")
     arch = hf.get("architectures") or []
-    if hf.get("model_type") != MODEL_TYPE or any(a not in ARCHITECTURES for a in arch):
+    if kind not in ARCHITECTURES or any(a != ARCHITECTURES[kind] for a in arch):
+        supported = ", ".join(f"{k} ({v})" for k, v in ARCHITECTURES.items())
         raise ConfigError(
-            f"config.json describes model_type={hf.get('model_type')!r} architectures={arch}; "
-            f"supported: model_type={MODEL_TYPE!r} ({', '.join(ARCHITECTURES)})"
+            f"config.json describes model_type={kind!r} architectures={arch}; supported: "
+            f"{supported}"
         )
+    qwen2 = kind == "qwen2_moe"
     unsupported = {
-        "attention_bias": (hf.get("attention_bias", False), False),
         "use_sliding_window": (hf.get("use_sliding_window", False), False),
         "hidden_act": (hf.get("hidden_act", "silu"), "silu"),
-        "shared_expert_intermediate_size": (hf.get("shared_expert_intermediate_size", 0), 0),
     }
+    if not qwen2:  # Qwen3-MoE's attention_bias would also put a bias on o_proj
+        unsupported["attention_bias"] = (hf.get("attention_bias", False), False)
     for field, (got, want) in unsupported.items():
         if got != want:
             raise ConfigError(f"config.json {field}={got!r} is not supported (needs {want!r})")
     hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    shared = int(hf.get("shared_expert_intermediate_size") or 0) if qwen2 else 0
     model = ModelConfig(
         family="qwen3_moe",
         vocab_size=int(hf["vocab_size"]),
@@ -197,7 +226,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> tuple[ModelConfig, MoEConfig, str]:
         mlp_dim=int(hf["intermediate_size"]),
         rope_theta=rope_theta(hf),
         rms_norm_eps=float(hf["rms_norm_eps"]),
-        qk_norm=True,
+        qk_norm=not qwen2,
+        attention_bias=bool(hf.get("qkv_bias", True)) if qwen2 else False,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
         mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
@@ -207,25 +237,40 @@ def config_from_hf(hf: Mapping[str, Any]) -> tuple[ModelConfig, MoEConfig, str]:
         num_experts_per_tok=int(hf["num_experts_per_tok"]),
         moe_intermediate_size=int(hf["moe_intermediate_size"]),
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        num_shared_experts=1 if shared else 0,
+        shared_intermediate_size=shared,
+        shared_expert_gate=bool(shared),
         aux_loss_weight=float(hf.get("router_aux_loss_coef", MoEConfig.aux_loss_weight)),
     )
     return model, moe, hf_dtype(hf)
 
 
+def hf_model_type(m: ModelConfig, moe: MoEConfig) -> str:
+    """qwen3_moe or qwen2_moe, whichever describes the model exactly; else a ConfigError."""
+    qwen3 = m.qk_norm and not m.attention_bias and not moe.num_shared_experts
+    qwen2 = (
+        not m.qk_norm
+        and moe.num_shared_experts <= 1
+        and moe.shared_expert_gate == bool(moe.num_shared_experts)
+        and m.head_dim * m.num_heads == m.emb_dim
+    )
+    if m.family != "qwen3_moe" or not (qwen3 or qwen2):
+        raise ConfigError(
+            f"model.family={m.family!r} qk_norm={m.qk_norm} attention_bias={m.attention_bias} "
+            f"moe.num_shared_experts={moe.num_shared_experts} "
+            f"shared_expert_gate={moe.shared_expert_gate} head_dim={m.head_dim} is neither "
+            "Qwen3MoeForCausalLM (qk_norm, no bias, no shared experts) nor Qwen2MoeForCausalLM "
+            "(no qk_norm, at most one gated shared expert, head_dim = emb_dim / num_heads)"
+        )
+    return "qwen3_moe" if qwen3 else "qwen2_moe"
+
+
 def config_to_hf(m: ModelConfig, moe: MoEConfig, dtype: str) -> dict[str, Any]:
-    """config.json in the spelling of the released Qwen3-MoE checkpoints."""
-    if m.family != "qwen3_moe" or not m.qk_norm:
-        raise ConfigError(
-            f"only model.family='qwen3_moe' with qk_norm converts to Qwen3MoeForCausalLM, got "
-            f"family={m.family!r} qk_norm={m.qk_norm}"
-        )
-    if moe.num_shared_experts:
-        raise ConfigError(
-            f"moe.num_shared_experts={moe.num_shared_experts}: Qwen3MoeForCausalLM has none"
-        )
-    return {
-        "architectures": list(ARCHITECTURES),
-        "model_type": MODEL_TYPE,
+    """config.json in the spelling of the released Qwen3-MoE / Qwen2-MoE checkpoints."""
+    kind = hf_model_type(m, moe)
+    out: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[kind]],
+        "model_type": kind,
         "vocab_size": m.vocab_size,
         "hidden_size": m.emb_dim,
         "num_hidden_layers": m.num_layers,
@@ -245,8 +290,16 @@ def config_to_hf(m: ModelConfig, moe: MoEConfig, dtype: str) -> dict[str, Any]:
         "norm_topk_prob": moe.norm_topk_prob,
         "router_aux_loss_coef": moe.aux_loss_weight,
         "hidden_act": "silu",
-        "attention_bias": False,
         "attention_dropout": 0.0,
         "use_sliding_window": False,
         "torch_dtype": dtype,
     }
+    if kind == "qwen3_moe":
+        out["attention_bias"] = False
+    else:
+        del out["head_dim"]
+        out["qkv_bias"] = m.attention_bias
+        out["shared_expert_intermediate_size"] = moe.shared_intermediate_size or (
+            moe.moe_intermediate_size if moe.num_shared_experts else 0
+        )
+    return out
