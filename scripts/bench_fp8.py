@@ -17,6 +17,7 @@ side is `Gmm(backend, recipe)` (kernels/quant/), the bf16 side `Gmm(backend)`.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -179,7 +180,7 @@ def timing(a) -> None:
     print(f"CPU time, backend {base.name}, T={a.tokens} K={a.topk} D={a.d} F={a.f} E={a.experts}")
     res = {}
     for label, be in (("bf16", Gmm(base)), ("fp8", Gmm(base, make_recipe(a.recipe)))):
-        loss = lambda *x, be=be: moe_ffn_loss(be, *x, a.topk, a.activation)
+        loss = functools.partial(moe_ffn_loss, be, topk=a.topk, act=a.activation)
         for what, fn in (
             ("fwd", jax.jit(loss)),
             ("fwd+bwd", jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,9 @@ from moetext.aot import TOPOLOGY_BY_CHIP, tpu_devices
 from moetext.kernels.gmm import get_backend
 from moetext.kernels.gmm.pallas_tpu import PallasTpuBackend
 
-DEFAULTS = dict(chips=("v5p", "tpu7x"), rows=8192 * 8, d_model=2048, d_ff=768, experts=128)
+DEFAULTS: dict[str, Any] = dict(
+    chips=("v5p", "tpu7x"), rows=8192 * 8, d_model=2048, d_ff=768, experts=128
+)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

@@ -102,7 +102,7 @@ def test_overrides_are_typed():
     assert cfg.optim.clip_norm is None and cfg.train.peak_tflops == 1.0
 
 
-def test_config_is_frozen():
+def test_config_is_frozen() -> None:
     cfg = config.load(TINY)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.train.steps = 1  # type: ignore[misc]

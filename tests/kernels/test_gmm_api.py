@@ -20,6 +20,8 @@ W_GKN = jnp.ones((2, 4, 3), jnp.float32)
 GS = jnp.asarray([4, 6], jnp.int32)
 
 
+# The `type: ignore[arg-type]` calls below are mistakes mypy also rejects; they test the
+# runtime check that catches them for untyped callers.
 @pytest.mark.parametrize(
     "call, message",
     [
@@ -60,7 +62,7 @@ GS = jnp.asarray([4, 6], jnp.int32)
             r"group_offset must be a scalar, got shape \(2,\)",
         ),
         (
-            lambda: gmm(X_MK, W_GKN, GS, tiling=(128, 128)),
+            lambda: gmm(X_MK, W_GKN, GS, tiling=(128, 128)),  # type: ignore[arg-type]
             r"tiling must be three positive ints \(tm, tk, tn\), got \(128, 128\)",
         ),
         (lambda: gmm(X_MK, W_GKN, GS, tiling=(0, 128, 128)), r"got \(0, 128, 128\)"),
@@ -82,7 +84,7 @@ GS = jnp.asarray([4, 6], jnp.int32)
             r"unknown gmm backend 'nope'; valid names: auto, .*blocked.*ragged_dot.*reference",
         ),
         (
-            lambda: gmm(X_MK, W_GKN, GS, backend=3),
+            lambda: gmm(X_MK, W_GKN, GS, backend=3),  # type: ignore[arg-type]
             r"backend must be a name or a GmmBackend, got int",
         ),
     ],

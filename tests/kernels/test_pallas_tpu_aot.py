@@ -8,19 +8,30 @@ the default tiling for one TPU generation and one model's expert shapes.
 """
 
 import functools
+from typing import TypedDict
 
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import SingleDeviceSharding
+from jax.typing import DTypeLike
 
 from moetext.aot import TOPOLOGY_BY_CHIP, tpu_devices
+from moetext.kernels.gmm.backend import TilingArg
 from moetext.kernels.gmm.pallas_tpu import PallasTpuBackend
 
 pytestmark = pytest.mark.tpu_aot
 
 M = 8192 * 8  # 8192 tokens routed to top-8 experts
 MODELS = {"qwen3-30b-a3b": (2048, 768, 128), "qwen3-235b-a22b": (4096, 1536, 128)}  # D, F, E
+
+
+class _Common(TypedDict):
+    """Keyword arguments shared by every gmm/tgmm call of a test (typed, so `**` checks)."""
+
+    preferred_element_type: DTypeLike
+    group_offset: jax.Array
+    tiling: TilingArg
 
 
 @functools.cache
@@ -31,7 +42,7 @@ def _device(chip: str):
 def _calls(backend: PallasTpuBackend, d: int, f: int, e: int):
     """{call: (fn, arg shapes)} for the gate/up projection x[M, D] @ w[E, D, F]."""
     bf16, zero = jnp.bfloat16, jnp.int32(0)
-    common = dict(preferred_element_type=bf16, group_offset=zero, tiling=None)
+    common = _Common(preferred_element_type=bf16, group_offset=zero, tiling=None)
     fwd = lambda x, w, gs: backend.gmm(x, w, gs, transpose_rhs=False, **common)
     dlhs = lambda dy, w, gs: backend.gmm(dy, w, gs, transpose_rhs=True, **common)
     drhs = lambda x, dy, gs: backend.tgmm(x, dy, gs, num_groups=e, **common)
@@ -75,7 +86,7 @@ TAIL_M, TAIL_K, TAIL_N, TAIL_G = 1000, 320, 200, 8
 
 def _tail_calls(backend: PallasTpuBackend):
     bf16, i32 = jnp.bfloat16, jnp.int32
-    kw = dict(preferred_element_type=bf16, group_offset=jnp.int32(0), tiling=(128, 128, 128))
+    kw = _Common(preferred_element_type=bf16, group_offset=jnp.int32(0), tiling=(128, 128, 128))
     m, k, n, g = TAIL_M, TAIL_K, TAIL_N, TAIL_G
     return {
         "fwd": (

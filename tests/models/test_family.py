@@ -142,7 +142,7 @@ def _used_logical_axes(m: ModelConfig) -> set[str]:
     """Every logical name the family's params carry and its forward pass constrains."""
     model = nnx.eval_shape(lambda: models.build(m, TINY_MOE, KERNELS, rngs=nnx.Rngs(0)))
     state = nnx.state(model, nnx.Param)
-    names = set()
+    names: set[str] = set()
     for var in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
         names.update(n for n in sharding_plan.logical_names(var) or () if n is not None)
     plan = sharding_plan.make_plan(config.load(TINY_YML).sharding, jax.devices()[:1])
