@@ -6,6 +6,8 @@ G = N // K query heads per kv head, H head_dim.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,13 +24,16 @@ def attend(
     k_BTKH: jax.Array,
     v_BTKH: jax.Array,
     segment_ids_BS: jax.Array | None = None,
+    *,
+    mask_BST: jax.Array | None = None,
 ) -> jax.Array:
     """Causal GQA softmax(q k^T / sqrt(H)) v with f32 scores; returns [B, S, N, H] in v's dtype.
 
     Causality is by index (query s sees keys t <= s); positions only feed RoPE. With
     segment_ids_BS (self-attention, S == T) a query also sees only keys of its own segment,
     and no key of segment 0 (padding); a padding query sees nothing (its output is junk that
-    the loss masks out).
+    the loss masks out). An explicit mask_BST (True: query s may see key t) replaces both, as
+    decoding with a KV cache needs (keys are cache slots, not the queries' own positions).
     """
     b, s, n, h = q_BSNH.shape
     kv = k_BTKH.shape[2]
@@ -39,7 +44,9 @@ def attend(
     t = k_BTKH.shape[1]
     causal_ST = jnp.arange(s)[:, None] >= jnp.arange(t)[None, :]
     mask = causal_ST
-    if segment_ids_BS is not None:
+    if mask_BST is not None:
+        mask = mask_BST[:, None, None]
+    elif segment_ids_BS is not None:
         q_seg_BS1, k_seg_B1T = segment_ids_BS[:, :, None], segment_ids_BS[:, None, :]
         mask_BST = causal_ST & (q_seg_BS1 == k_seg_B1T) & (k_seg_B1T != 0)
         mask = mask_BST[:, None, None]  # [B, 1, 1, S, T]: fused into the select below
@@ -81,6 +88,13 @@ class Attention(nnx.Module):
         sin_BSH: jax.Array,
         segment_ids_BS: jax.Array | None = None,
     ) -> jax.Array:
+        q_BSNH, k_BSKH, v_BSKH = self._qkv(x_BSD, cos_BSH, sin_BSH)
+        out_BSNH = attend(q_BSNH, k_BSKH, v_BSKH, segment_ids_BS)
+        return jnp.einsum("bsnh,nhd->bsd", out_BSNH, self.w_o[...].astype(self.dtype))
+
+    def _qkv(
+        self, x_BSD: jax.Array, cos_BSH: jax.Array, sin_BSH: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         x = x_BSD.astype(self.dtype)
         q_BSNH = jnp.einsum("bsd,dnh->bsnh", x, self.w_q[...].astype(self.dtype))
         k_BSKH = jnp.einsum("bsd,dkh->bskh", x, self.w_k[...].astype(self.dtype))
@@ -91,7 +105,34 @@ class Attention(nnx.Module):
             v_BSKH = v_BSKH + self.b_v[...].astype(self.dtype)
         if self.qk_norm:
             q_BSNH, k_BSKH = self.q_norm(q_BSNH), self.k_norm(k_BSKH)
-        q_BSNH = apply_rope(q_BSNH, cos_BSH, sin_BSH)
-        k_BSKH = apply_rope(k_BSKH, cos_BSH, sin_BSH)
-        out_BSNH = attend(q_BSNH, k_BSKH, v_BSKH, segment_ids_BS)
-        return jnp.einsum("bsnh,nhd->bsd", out_BSNH, self.w_o[...].astype(self.dtype))
+        return apply_rope(q_BSNH, cos_BSH, sin_BSH), apply_rope(k_BSKH, cos_BSH, sin_BSH), v_BSKH
+
+    def cached(
+        self,
+        x_BSD: jax.Array,
+        cos_BSH: jax.Array,
+        sin_BSH: jax.Array,
+        cache: KVCache,
+        start: jax.Array,
+        mask_BST: jax.Array,
+    ) -> tuple[jax.Array, KVCache]:
+        """Attention of S new tokens written at cache slots start..start+S-1 (the same slots
+        for every row) over the cache's T slots, visible ones given by mask_BST. The cache holds
+        only the K kv heads (GQA), post-RoPE keys."""
+        q_BSNH, k_BSKH, v_BSKH = self._qkv(x_BSD, cos_BSH, sin_BSH)
+        k_BTKH = jax.lax.dynamic_update_slice(
+            cache.k_BTKH, k_BSKH.astype(cache.k_BTKH.dtype), (0, start, 0, 0)
+        )
+        v_BTKH = jax.lax.dynamic_update_slice(
+            cache.v_BTKH, v_BSKH.astype(cache.v_BTKH.dtype), (0, start, 0, 0)
+        )
+        out_BSNH = attend(q_BSNH, k_BTKH, v_BTKH, mask_BST=mask_BST)
+        out = jnp.einsum("bsnh,nhd->bsd", out_BSNH, self.w_o[...].astype(self.dtype))
+        return out, KVCache(k_BTKH, v_BTKH)
+
+
+class KVCache(NamedTuple):
+    """One attention layer's cache: post-RoPE keys and values of the kv heads, [B, T, K, H]."""
+
+    k_BTKH: jax.Array
+    v_BTKH: jax.Array

@@ -19,7 +19,7 @@ from flax import nnx
 
 from moetext.config.schema import KernelsConfig, ModelConfig, MoEConfig
 from moetext.kernels.gmm import Gmm
-from moetext.models.layers.attention import Attention
+from moetext.models.layers.attention import Attention, KVCache
 from moetext.models.layers.mlp import SwiGLU
 from moetext.models.layers.norms import RMSNorm
 from moetext.models.layers.params import as_dtype, make_param, normal
@@ -113,6 +113,26 @@ class DecoderLayer(nnx.Module):
         else:
             y_BSD, aux = self.mlp(self.mlp_norm(h_BSD)), zero_aux()
         return constrain(h_BSD + y_BSD, ACT_NAMES), aux
+
+    def cached(
+        self,
+        x_BSD: jax.Array,
+        cos_BSH: jax.Array,
+        sin_BSH: jax.Array,
+        cache: KVCache,
+        start: jax.Array,
+        mask_BST: jax.Array,
+    ) -> tuple[jax.Array, KVCache]:
+        """The layer on S new tokens against its KV cache (decoding); MoE aux is dropped."""
+        attn_BSD, cache = self.attn.cached(
+            self.attn_norm(x_BSD), cos_BSH, sin_BSH, cache, start, mask_BST
+        )
+        h_BSD = x_BSD + attn_BSD
+        if isinstance(self.mlp, MoEBlock):
+            y_BSD, _ = self.mlp(self.mlp_norm(h_BSD))
+        else:
+            y_BSD = self.mlp(self.mlp_norm(h_BSD))
+        return h_BSD + y_BSD, cache
 
 
 def _remat(fn: LayerStep, policy: str, *, in_scan: bool) -> LayerStep:
@@ -241,6 +261,54 @@ class Decoder(nnx.Module):
         if loads:
             aux[LOAD_KEY] = jnp.concatenate(loads, axis=0)
         return logits_BSV, aux
+
+    def init_cache(self, batch: int, length: int) -> list[KVCache]:
+        """Zero KV caches for `batch` rows of `length` slots, one per layer (compute dtype)."""
+        c = self.cfg
+        shape = (batch, length, c.num_kv_heads, c.head_dim)
+        return [
+            KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+            for _ in range(c.num_layers)
+        ]
+
+    def cached(
+        self,
+        tokens_BS: jax.Array,
+        positions_BS: jax.Array,
+        caches: list[KVCache],
+        start: jax.Array,
+        first_valid_B: jax.Array,
+    ) -> tuple[jax.Array, list[KVCache]]:
+        """Decoding: S new tokens (the same cache slots start..start+S-1 for every row; S = the
+        padded prompt length at prefill, 1 per decode step) -> (logits_BSV float32, caches).
+
+        Rows are left-padded: row b's real tokens start at slot first_valid_B[b], and a query
+        at slot j sees the keys at slots first_valid_B[b]..j. positions_BS are the RoPE
+        positions (slot - first_valid). Needs the unscanned layout (load with scan_layers off).
+        """
+        if self.cfg.scan_layers:
+            raise ValueError(
+                "decoding runs the unscanned layer layout: build the model with "
+                "model.scan_layers=false (checkpoint.load_params_from / moetext.generate "
+                "unstack a scanned checkpoint)"
+            )
+        b, s = tokens_BS.shape
+        length = caches[0].k_BTKH.shape[1]
+        slots_S = start + jnp.arange(s)
+        t_T = jnp.arange(length)
+        mask_BST = (t_T[None, None, :] <= slots_S[None, :, None]) & (
+            t_T[None, None, :] >= first_valid_B[:, None, None]
+        )
+        cos_BSH, sin_BSH = rope_cos_sin(positions_BS, self.cfg.head_dim, self.cfg.rope_theta)
+        x_BSD = jnp.take(self.embed[...], tokens_BS, axis=0).astype(self.dtype)
+        new_caches = []
+        for layer, cache in zip(self.layers, caches, strict=True):
+            x_BSD, cache = layer.cached(x_BSD, cos_BSH, sin_BSH, cache, start, mask_BST)
+            new_caches.append(cache)
+        x_BSD = self.final_norm(x_BSD)
+        head_VD = self.embed[...] if self.cfg.tie_embeddings else self.lm_head[...]
+        logits_BSV = jnp.einsum("bsd,vd->bsv", x_BSD, head_VD.astype(self.dtype))
+        return logits_BSV.astype(jnp.float32), new_caches
 
     def _run_layers(
         self,
