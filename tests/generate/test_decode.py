@@ -19,6 +19,7 @@ from moetext import models  # noqa: E402
 from moetext.errors import ConfigError  # noqa: E402
 from moetext.generate.decode import generate_ids  # noqa: E402
 from moetext.generate.sampling import Sampling, sample  # noqa: E402
+from moetext.models.moe.decode import prefuse_all  # noqa: E402
 
 NEVER = 10**6  # an EOS id no model here can produce: every row runs max_new_tokens
 
@@ -29,18 +30,26 @@ def _model(family: str = "qwen3_moe", norm_topk_prob: bool = True):
 
 
 @pytest.mark.parametrize(
-    ("family", "norm_topk_prob"),
-    [("qwen3_moe", True), ("qwen3_moe", False), ("dense", True)],
+    ("family", "norm_topk_prob", "prefused"),
+    [
+        ("qwen3_moe", True, False),
+        ("qwen3_moe", False, False),
+        ("qwen3_moe", True, True),  # what moetext.generate.load decodes with
+        ("dense", True, False),
+    ],
 )
-def test_greedy_cached_decoding_equals_full_recompute(family, norm_topk_prob):
+def test_greedy_cached_decoding_equals_full_recompute(family, norm_topk_prob, prefused):
     model = _model(family, norm_topk_prob)
+    reference = _model(family, norm_topk_prob)  # same seed: same weights, training layout
+    if prefused:
+        assert prefuse_all(model) == 2
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 128, n).tolist() for n in (5, 9, 3)]  # left-padded to 32
     out = generate_ids(
         model, prompts, max_new_tokens=6, eos_id=NEVER, return_logits=True, bucket=32
     )
     assert [len(t) for t in out.tokens] == [6, 6, 6] and out.logits is not None
-    forward = jax.jit(lambda t: model(t)[0])
+    forward = jax.jit(lambda t: reference(t)[0])
     for b, prompt in enumerate(prompts):
         seq = prompt + out.tokens[b]
         full = np.asarray(forward(jnp.asarray([seq], jnp.int32)))[0]

@@ -21,6 +21,7 @@ from moetext.data.tokenizer import Tokenizer, load_tokenizer
 from moetext.errors import ConfigError
 from moetext.generate.decode import Generated, generate_ids
 from moetext.generate.sampling import Sampling
+from moetext.models.moe.decode import prefuse_all
 from moetext.train import loop, params_from
 
 
@@ -47,7 +48,8 @@ def load(
     tokenizer: str | None = None,
 ) -> tuple[Config, Any, Tokenizer]:
     """(config, model with the checkpoint's params, tokenizer). The model is built unscanned
-    (decoding's layout); a scanned checkpoint is unstacked on load."""
+    (decoding's layout; a scanned checkpoint is unstacked on load) and its experts prefused
+    (models/moe/decode.py): it decodes, it does not train."""
     cfg = config_lib.load(config_path, overrides)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=False))
     path = tokenizer or find_tokenizer_for(checkpoint, cfg)
@@ -66,7 +68,9 @@ def load(
         lambda: models.build(cfg.model, cfg.moe, cfg.kernels, rngs=nnx.Rngs(params=0))
     )
     graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)  # type: ignore[misc]
-    return cfg, nnx.merge(graphdef, params, rest), tok
+    model = nnx.merge(graphdef, params, rest)
+    prefuse_all(model)  # decoding's expert layout: one [E, D, 2F] gate|up weight per layer
+    return cfg, model, tok
 
 
 def generate_text(

@@ -15,6 +15,7 @@ from moetext.config.schema import MoEConfig
 from moetext.kernels.gmm import Gmm
 from moetext.models.layers.mlp import SwiGLU
 from moetext.models.layers.params import make_param, normal
+from moetext.models.moe import decode as moe_decode
 from moetext.models.moe import dispatch as dsp
 from moetext.models.moe import ep
 from moetext.models.moe.experts import Experts
@@ -136,6 +137,28 @@ class MoEBlock(nnx.Module):
             LOAD_KEY: expert_load(ids_TK, cfg.num_experts),
         }
         return y_TD.reshape(b, s, d), aux
+
+    def decode(self, x_BSD: jax.Array) -> jax.Array:
+        """The layer's output without the auxiliary losses, for decoding. With prefused experts
+        (`moe.decode.prefuse`) it runs the decode path (gathered or grouped, one gate|up
+        matmul); otherwise the training forward."""
+        if not moe_decode.is_prefused(self.experts):
+            return self(x_BSD)[0]
+        cfg = self.cfg
+        b, s, d = x_BSD.shape
+        x_TD = x_BSD.reshape(b * s, d).astype(self.dtype)
+        weights_TK, ids_TK, _ = route(
+            self.router(x_TD), cfg.num_experts_per_tok, cfg.norm_topk_prob
+        )
+        y_TKD = moe_decode.expert_outputs(self.experts, x_TD, ids_TK, self.gmm, self.dtype)
+        y_TD = dsp.combine(y_TKD, weights_TK, self.dtype)
+        if self.shared is not None:
+            shared_TD = self.shared(x_TD)
+            if cfg.shared_expert_gate:
+                gate_T1 = jax.nn.sigmoid(jnp.dot(x_TD, self.shared_gate[...].astype(self.dtype)))
+                shared_TD = gate_T1 * shared_TD
+            y_TD = y_TD + shared_TD
+        return y_TD.reshape(b, s, d)
 
     def _dropless(self, x_TD: jax.Array, ids_TK: jax.Array) -> jax.Array:
         # The sharding rules, not a flag, decide: tokens or experts split over mesh axes of

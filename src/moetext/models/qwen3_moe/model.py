@@ -128,10 +128,11 @@ class DecoderLayer(nnx.Module):
             self.attn_norm(x_BSD), cos_BSH, sin_BSH, cache, start, mask_BST
         )
         h_BSD = x_BSD + attn_BSD
-        if isinstance(self.mlp, MoEBlock):
-            y_BSD, _ = self.mlp(self.mlp_norm(h_BSD))
-        else:
-            y_BSD = self.mlp(self.mlp_norm(h_BSD))
+        y_BSD = (
+            self.mlp.decode(self.mlp_norm(h_BSD))
+            if isinstance(self.mlp, MoEBlock)
+            else (self.mlp(self.mlp_norm(h_BSD)))
+        )
         return h_BSD + y_BSD, cache
 
 

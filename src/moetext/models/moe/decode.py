@@ -1,0 +1,96 @@
+"""The MoE layer for decoding: prefused gate|up weights and a decode-shaped expert path.
+
+Legend: T tokens, K experts per token, E experts, D emb_dim, F moe_intermediate_size.
+
+`prefuse(experts)` (once, at load) replaces w_gate and w_up [E, D, F] by w_gate_up [E, D, 2F]
+(`[gate | up]` on the last axis), so a step reads the input once for both (the training layer's
+`kernels.fuse_gate_up` concatenates them inside every step instead). Then per step:
+
+- `gathered` (decode-shaped: T * K rows at most GATHER_MAX_ROWS, e.g. one token per row of a
+  small batch): read only the routed experts' weights, w_gate_up[ids] [T, K, D, 2F] and
+  w_down[ids] [T, K, F, D], and contract them with each token: the step touches K of E experts
+  per token, not all E (for Qwen3-30B-A3B, 8 of 128);
+- `grouped` (prefill, many tokens): sort the T * K assignments by expert, one grouped matmul
+  against w_gate_up, SwiGLU on its two halves, one grouped matmul against w_down.
+
+Both equal the training layer's dropless forward (tests/models/test_moe_decode.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.typing import DTypeLike
+
+from moetext.kernels.gmm import Gmm
+from moetext.models.moe import dispatch as dsp
+from moetext.models.moe.experts import Experts
+
+# Up to this many (token, expert) rows the gathered path runs; above it the grouped one.
+GATHER_MAX_ROWS = 256
+
+
+def prefuse(experts: Experts) -> None:
+    """w_gate, w_up -> w_gate_up [E, D, 2F] in place (same logical axes; w_gate and w_up are
+    deleted, so the layer then only decodes)."""
+    if hasattr(experts, "w_gate_up"):
+        return
+    fused = jnp.concatenate([experts.w_gate[...], experts.w_up[...]], axis=2)
+    names = ("exp", "embed", "mlp_moe")
+    experts.w_gate_up = nnx.Param(fused, out_sharding=names, eager_sharding=False)
+    del experts.w_gate
+    del experts.w_up
+
+
+def prefuse_all(model: nnx.Module) -> int:
+    """Prefuses every Experts module of `model`; returns how many (the model then decodes)."""
+    found = [node for _, node in nnx.iter_graph(model) if isinstance(node, Experts)]
+    for experts in found:
+        prefuse(experts)
+    return len(found)
+
+
+def is_prefused(experts: Experts) -> bool:
+    return hasattr(experts, "w_gate_up")
+
+
+def gathered(
+    x_TD: jax.Array, ids_TK: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, dtype: DTypeLike
+) -> jax.Array:
+    """y_TKD: each token through each of its K experts, reading only those experts' weights."""
+    x = x_TD.astype(dtype)
+    w_gu_TKDF2 = jnp.take(w_gate_up, ids_TK, axis=0).astype(dtype)
+    gu_TKF2 = jnp.einsum("td,tkdf->tkf", x, w_gu_TKDF2)
+    f = gu_TKF2.shape[-1] // 2
+    h_TKF = jax.nn.silu(gu_TKF2[..., :f]) * gu_TKF2[..., f:]
+    w_down_TKFD = jnp.take(w_down, ids_TK, axis=0).astype(dtype)
+    return jnp.einsum("tkf,tkfd->tkd", h_TKF, w_down_TKFD)
+
+
+def grouped(
+    x_TD: jax.Array,
+    ids_TK: jax.Array,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    gmm: Gmm,
+    dtype: DTypeLike,
+) -> jax.Array:
+    """y_TKD through grouped matmuls: [gate | up] in one, then down."""
+    e = w_gate_up.shape[0]
+    xs_MD, group_sizes_E, order_M = dsp.permute(x_TD.astype(dtype), ids_TK, e)
+    gu_MF2 = gmm(xs_MD, w_gate_up.astype(dtype), group_sizes_E, preferred_element_type=dtype)
+    f = gu_MF2.shape[-1] // 2
+    h_MF = jax.nn.silu(gu_MF2[:, :f]) * gu_MF2[:, f:]
+    ys_MD = gmm(h_MF, w_down.astype(dtype), group_sizes_E, preferred_element_type=dtype)
+    return dsp.unpermute(ys_MD, order_M, ids_TK.shape[1])
+
+
+def expert_outputs(
+    experts: Experts, x_TD: jax.Array, ids_TK: jax.Array, gmm: Gmm, dtype: DTypeLike
+) -> jax.Array:
+    """y_TKD of a prefused layer: gathered for few rows, grouped for many (static shapes)."""
+    w_gu, w_down = experts.w_gate_up[...], experts.w_down[...]
+    if ids_TK.size <= GATHER_MAX_ROWS:
+        return gathered(x_TD, ids_TK, w_gu, w_down, dtype)
+    return grouped(x_TD, ids_TK, w_gu, w_down, gmm, dtype)
