@@ -47,7 +47,7 @@ def test_prefused_paths_equal_the_training_layer(changes, tokens, monkeypatch):
     assert not hasattr(fused.experts, "w_gate") and fused.experts.w_gate_up.shape == (4, 32, 32)
     # float32; the paths sum D (and F) in different orders: 1e-5 on outputs of magnitude ~1.
     for rows in (0, 10**6):  # grouped only; gathered only
-        monkeypatch.setattr(moe_decode, "GATHER_MAX_ROWS", rows)
+        monkeypatch.setattr(moe_decode, "GATHER_BELOW", rows)
         got = np.asarray(jax.jit(lambda x: fused.decode(x))(x))
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 

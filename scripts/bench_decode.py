@@ -1,0 +1,110 @@
+"""Decode step time: the training MoE layer vs prefused gate|up (grouped) vs the decode path
+(gathered routed experts), at several batch sizes, in one process.
+
+    .venv/bin/python scripts/bench_decode.py [--shapes tiny,30b-2layer] [--batches 1,8,64]
+        [--steps 32] [--repeats 3] [--out bench.json]
+
+A decode step is one new token for every row of the batch (KV cache, jitted while_loop). Time
+per step = (best of --repeats generate calls with 1 + steps new tokens - best of --repeats with
+1 new token) / steps, after a compile run of each; prompts are 8 random tokens (one 32-slot bucket).
+Shapes: `tiny` is configs/models/tiny-qwen3-moe.yml; `30b-2layer` is Qwen3-30B-A3B
+(configs/models/qwen3-30b-a3b.yml) cut to 2 MoE layers, bf16 params and compute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import moetext  # noqa: F401  (quiets libtpu's TPU probing where there is no TPU)
+
+import jax  # isort: skip
+import numpy as np
+from flax import nnx
+
+from moetext import config as config_lib
+from moetext import models
+from moetext.generate import decode
+from moetext.generate.decode import generate_ids
+from moetext.models.moe import decode as moe_decode
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPES = {
+    "tiny": (REPO / "configs/models/tiny-qwen3-moe.yml", []),
+    "30b-2layer": (
+        REPO / "configs/models/qwen3-30b-a3b.yml",
+        ["model.num_layers=2", "model.param_dtype=bfloat16", "model.scan_layers=false"],
+    ),
+}
+NEVER = 10**9  # no EOS: every row decodes every step
+
+
+def build(shape: str, prefused: bool) -> tuple[Any, int]:
+    path, overrides = SHAPES[shape]
+    cfg = config_lib.load(path, [*overrides, "model.scan_layers=false"])
+    model = models.build(cfg.model, cfg.moe, cfg.kernels, rngs=nnx.Rngs(params=0))
+    if prefused:
+        moe_decode.prefuse_all(model)
+    return model, cfg.model.vocab_size
+
+
+def step_ms(model: Any, vocab: int, batch: int, steps: int, repeats: int) -> float:
+    prompts = np.random.default_rng(0).integers(0, vocab, (batch, 8)).tolist()
+
+    def timed(new: int) -> float:
+        t0 = time.perf_counter()
+        generate_ids(model, prompts, max_new_tokens=new, eos_id=NEVER)
+        return time.perf_counter() - t0
+
+    timed(1), timed(1 + steps)  # compile both
+    long = min(timed(1 + steps) for _ in range(repeats))
+    short = min(timed(1) for _ in range(repeats))
+    return 1000 * (long - short) / steps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="tiny,30b-2layer")
+    p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out")
+    args = p.parse_args()
+    rows = []
+    for shape in args.shapes.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            result: dict[str, Any] = {"shape": shape, "batch": batch}
+            # unfused: the training layer; prefused: grouped gate|up (no gather); decode: as
+            # moetext.generate runs (gathered while batch * top_k < num_experts).
+            for mode, prefused, gather_rows in (
+                ("unfused", False, None),
+                ("prefused", True, 0),
+                ("decode_path", True, None),
+            ):
+                model, vocab = build(shape, prefused)
+                saved = moe_decode.GATHER_BELOW
+                moe_decode.GATHER_BELOW = gather_rows
+                decode._compiled.cache_clear()  # the path is chosen when the step is traced
+                try:
+                    ms = step_ms(model, vocab, batch, args.steps, args.repeats)
+                finally:
+                    moe_decode.GATHER_BELOW = saved
+                result[f"{mode}_ms"] = ms
+                result[f"{mode}_tokens_per_s"] = 1000 * batch / ms
+                del model
+            result["decode_path_speedup_vs_unfused"] = (
+                result["unfused_ms"] / result["decode_path_ms"]
+            )
+            result["prefused_speedup_vs_unfused"] = result["unfused_ms"] / result["prefused_ms"]
+            print(json.dumps(result), flush=True)
+            rows.append(result)
+    meta = {"device": jax.devices()[0].device_kind, "steps": args.steps, "repeats": args.repeats}
+    if args.out:
+        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
