@@ -25,7 +25,7 @@ LAYERS: dict[str, set[str]] = {
     "train": {"errors", "config", "kernels", "sharding", "optim", "data", "checkpoint", "models"},
     "aot": {"errors", "config", "kernels", "sharding", "models", "optim", "train"},
     "convert": {"errors", "config", "models", "checkpoint"},
-    "generate": {"errors", "config", "models", "data", "train"},
+    "generate": {"errors", "config", "sharding", "models", "data", "train"},
     "plot": {"errors"},
     "cli": {"errors", "config", "sharding", "checkpoint", "train"},
 }

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from fake_devices import worker_env
 from moetext import config, train
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,9 +34,10 @@ def run_dir(tmp_path_factory):
     return d
 
 
-def _generate(*args: str) -> subprocess.CompletedProcess[str]:
+def _generate(*args: str, devices: int | None = None) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "moetext.generate", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    env = worker_env(devices) if devices else None
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
 
 
 def test_generate_from_a_run_checkpoint(run_dir):
@@ -102,3 +104,28 @@ def test_bad_requests_are_one_line(run_dir, extra, message):
     )
     assert r.returncode == 2, r.stderr[-2000:]
     assert message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("preset", ["fsdp", "fsdp_ep"])
+def test_sharded_cli_decodes_three_prompts_on_four_devices_like_one(run_dir, preset):
+    # Under the preset's rules the batch is padded to the 4 batch shards and cut back.
+    args = [
+        str(run_dir / "config.yml"),
+        "--checkpoint",
+        str(run_dir / "checkpoints" / "40"),
+        "--prompt",
+        "def fibonacci(",
+        "--prompt",
+        "import",
+        "--prompt",
+        "The Python interpreter",
+        "--max_new_tokens",
+        "8",
+        "--jsonl",
+    ]
+    one = _generate(*args, devices=1)
+    mesh = ["sharding.mesh.fsdp=2", "sharding.mesh.expert=2"] if preset == "fsdp_ep" else []
+    four = _generate(*args, f"sharding.preset={preset}", *mesh, devices=4)
+    assert one.returncode == 0 and four.returncode == 0, four.stderr[-3000:]
+    tokens = [[json.loads(line)["tokens"] for line in r.stdout.splitlines()] for r in (one, four)]
+    assert len(tokens[0]) == 3 and tokens[0] == tokens[1]

@@ -7,6 +7,7 @@ ids with a KV cache; `generate_text` does both ends with the tokenizer.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,7 +23,15 @@ from moetext.errors import ConfigError
 from moetext.generate.decode import Generated, generate_ids
 from moetext.generate.sampling import Sampling
 from moetext.models.moe.decode import prefuse_all
+from moetext.sharding.plan import Plan
 from moetext.train import loop, params_from
+
+
+def batch_shards(plan: Plan) -> int:
+    """How many ways the preset splits the batch (its "batch" rule's mesh axes)."""
+    axes = plan.spec(("batch",))[0]
+    names = axes if isinstance(axes, tuple) else (axes,)
+    return math.prod(plan.mesh.shape[a] for a in names if a is not None)
 
 
 def find_tokenizer_for(checkpoint: str, cfg: Config) -> str:
@@ -82,6 +91,7 @@ def generate_text(
     sampling: Sampling | None = None,
     seed: int = 0,
     max_len: int | None = None,
+    batch_multiple: int = 1,
 ) -> tuple[list[str], Generated]:
     """Completions (text after each prompt, up to EOS or max_new_tokens) and the raw result."""
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
@@ -95,6 +105,7 @@ def generate_text(
         sampling=sampling,
         seed=seed,
         max_len=max_len,
+        batch_multiple=batch_multiple,
     )
     return [tokenizer.decode(t) for t in out.tokens], out
 

@@ -32,22 +32,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jsonl", action="store_true", help="JSON lines instead of plain text")
     args = p.parse_intermixed_args(argv)
     try:
-        from moetext.generate import Sampling, generate_text, load
+        from moetext.generate import Sampling, batch_shards, generate_text, load
+        from moetext.train.loop import make_plan
 
         sampling = Sampling(args.temperature, args.top_k, args.top_p)
         t0 = time.perf_counter()
         cfg, model, tok = load(args.config, args.checkpoint, args.overrides, args.tokenizer)
         print(f"loaded {args.checkpoint} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         t0 = time.perf_counter()
-        texts, out = generate_text(
-            model,
-            tok,
-            args.prompt,
-            max_new_tokens=args.max_new_tokens,
-            sampling=sampling,
-            seed=args.seed,
-            max_len=args.max_len or cfg.data.seq_len,
-        )
+        plan = make_plan(cfg)
+        with plan.rules():  # the preset's activation sharding and MoE dispatch, as in training
+            texts, out = generate_text(
+                model,
+                tok,
+                args.prompt,
+                max_new_tokens=args.max_new_tokens,
+                sampling=sampling,
+                seed=args.seed,
+                max_len=args.max_len or cfg.data.seq_len,
+                batch_multiple=batch_shards(plan),
+            )
         n = sum(len(t) for t in out.tokens)
         dt = time.perf_counter() - t0
         print(f"generated {n} tokens in {dt:.1f} s (with compilation)", file=sys.stderr)

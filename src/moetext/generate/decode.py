@@ -22,6 +22,7 @@ from flax import nnx
 
 from moetext.errors import ConfigError
 from moetext.generate.sampling import Sampling, sample
+from moetext.sharding import logical
 
 BUCKET = 32
 
@@ -48,9 +49,15 @@ def generate_ids(
     max_len: int | None = None,
     bucket: int = BUCKET,
     return_logits: bool = False,
+    batch_multiple: int = 1,
 ) -> Generated:
     """Continues each prompt (token ids) with `model` (a family model with `init_cache` and
-    `cached`, e.g. the qwen3_moe Decoder built with scan_layers off). Sampling() is greedy."""
+    `cached`, e.g. the qwen3_moe Decoder built with scan_layers off). Sampling() is greedy.
+
+    Called under a plan's `rules()` (as `python -m moetext.generate` does), the step is traced
+    with the preset's activation constraints and sharded MoE dispatch; the batch is then padded
+    with copies of the first prompt to a multiple of `batch_multiple` (the batch's shard count),
+    and those rows are dropped from the result."""
     sampling = sampling or Sampling()
     if not prompts:
         raise ConfigError("no prompts to continue")
@@ -64,6 +71,8 @@ def generate_ids(
                 f"prompt {i} has {len(p)} tokens; with --max_new_tokens {max_new_tokens} it needs "
                 f"{len(p) + max_new_tokens} cache slots, more than --max_len {max_len}"
             )
+    real = len(prompts)
+    prompts = list(prompts) + [prompts[0]] * (-real % batch_multiple)
     longest = max(len(p) for p in prompts)
     padded = -(-longest // bucket) * bucket
     prompts_BP = np.full((len(prompts), padded), pad_id, np.int32)
@@ -72,15 +81,17 @@ def generate_ids(
         prompts_BP[b, padded - len(p) :] = p
         first_valid_B[b] = padded - len(p)
     graphdef, state = nnx.split(model)
-    run = _compiled(graphdef, max_new_tokens, sampling, eos_id, pad_id, return_logits)
+    active = logical.current()
+    rules_key = None if active is None else (id(active[0]), active[1])
+    run = _compiled(graphdef, max_new_tokens, sampling, eos_id, pad_id, return_logits, rules_key)
     out_BN, done_B, logits = run(state, prompts_BP, first_valid_B, jax.random.key(seed))
-    out_BN, done_B = np.asarray(out_BN), np.asarray(done_B)
+    out_BN, done_B = np.asarray(out_BN)[:real], np.asarray(done_B)[:real]
     tokens, stopped = [], []
     for row in out_BN:
         hits = np.flatnonzero(row == eos_id)
         tokens.append(row[: hits[0]].tolist() if hits.size else row.tolist())
         stopped.append(bool(hits.size))
-    return Generated(tokens, stopped, np.asarray(logits) if return_logits else None)
+    return Generated(tokens, stopped, np.asarray(logits)[:real] if return_logits else None)
 
 
 @functools.cache
@@ -91,7 +102,11 @@ def _compiled(
     eos_id: int,
     pad_id: int,
     return_logits: bool,
+    rules_key: Any,
 ) -> Any:
+    # rules_key: jit's cache does not key on the active logical rules, so this cache does.
+    del rules_key
+
     @jax.jit
     def run(
         state: Any, prompts_BP: jax.Array, first_valid_B: jax.Array, key: jax.Array
