@@ -2,7 +2,7 @@
 (gathered routed experts), at several batch sizes, in one process.
 
     .venv/bin/python scripts/bench_decode.py [--shapes tiny,30b-2layer] [--batches 1,8,64]
-        [--steps 32] [--repeats 3] [--out bench.json]
+        [--steps 64] [--repeats 3] [--out bench.json] [--aot v5e:2x4,v6e:2x2 --shapes ""]
 
 A decode step is one new token for every row of the batch (KV cache, jitted while_loop). Time
 per step = (best of --repeats generate calls with 1 + steps new tokens - best of --repeats with
@@ -72,9 +72,30 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out")
+    p.add_argument(
+        "--aot",
+        default="",
+        help="comma-separated TPU topologies (e.g. v5e:2x4,v6e:2x2): AOT-compile the "
+        "qwen3-30b-a3b decode step (bf16 params, --aot_batch rows, --aot_cache slots) for each",
+    )
+    p.add_argument("--aot_batch", type=int, default=8)
+    p.add_argument("--aot_cache", type=int, default=4096)
+    p.add_argument("--aot_preset", default="fsdp")
     args = p.parse_args()
-    rows = []
-    for shape in args.shapes.split(","):
+    rows: list[dict[str, Any]] = []
+    for topology in filter(None, args.aot.split(",")):
+        from moetext.aot import compile_decode_step
+
+        cfg = config_lib.load(
+            REPO / "configs/models/qwen3-30b-a3b.yml",
+            ["model.param_dtype=bfloat16", f"sharding.preset={args.aot_preset}"],
+        )
+        r = compile_decode_step(cfg, topology, batch=args.aot_batch, cache_len=args.aot_cache)
+        print(json.dumps({"aot": r}), flush=True)
+        rows.append({"aot": r})
+    if not args.shapes:
+        return
+    for shape in filter(None, args.shapes.split(",")):
         for batch in (int(b) for b in args.batches.split(",")):
             result: dict[str, Any] = {"shape": shape, "batch": batch}
             # unfused: the training layer; prefused: grouped gate|up (no gather); decode: as

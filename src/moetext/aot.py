@@ -342,3 +342,102 @@ def format_report(r: dict[str, Any]) -> str:
     for c in r["collectives_by_shape"][:8]:
         lines.append(f"  {c['op']:<20}{c['shapes']:<32}{c['count']:>6} x  {g(c['bytes'])} total")
     return "\n".join(lines)
+
+
+def compile_decode_step(
+    cfg: Config, topology: str, *, batch: int, cache_len: int
+) -> dict[str, Any]:
+    """Compiles one decode step (one new token per row against a KV cache of cache_len slots)
+    of the prefused model on the topology's chips, under cfg's sharding preset; returns per-chip
+    memory against HBM, XLA's FLOPs and bytes accessed, and the compile time (JSON-ready).
+
+    Params take the run's param_dtype; the cache the compute dtype. XLA's refusal to fit is
+    raised as from compile_step (`exceeds_hbm`)."""
+    from flax import nnx
+
+    from moetext import models
+    from moetext.models.moe.decode import prefuse_all
+    from moetext.train import loop
+
+    hbm_bytes(topology)
+    cfg = for_tpu(cfg)
+    cfg = cfg.replace(model=dataclasses.replace(cfg.model, scan_layers=False))
+    devices = tpu_devices(topology)
+    n = len(devices)
+    cfg = cfg.replace(data=dataclasses.replace(cfg.data, global_batch_size=n))
+    plan = loop.make_plan(cfg, devices)
+
+    def prefused() -> nnx.Module:
+        model = models.build(cfg.model, cfg.moe, cfg.kernels, rngs=nnx.Rngs(params=0))
+        prefuse_all(model)
+        return model
+
+    abstract = nnx.eval_shape(prefused)
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)  # type: ignore[misc]
+    shardings = plan.shardings_for(params)
+    m = cfg.model
+    cache_names = ("batch", None, "kv_heads", "head_dim")
+    cache_sharding = plan.sharding(cache_names)
+    dtype = jax.numpy.dtype(m.dtype)
+    cache_shape = (batch, cache_len, m.num_kv_heads, m.head_dim)
+
+    def sds(shape: tuple[int, ...], dt: Any, sharding: Any) -> Any:
+        # jax: ShapeDtypeStruct.__init__ is unannotated.
+        return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # type: ignore[no-untyped-call]
+
+    from moetext.models.layers.attention import KVCache
+
+    caches = [
+        KVCache(sds(cache_shape, dtype, cache_sharding), sds(cache_shape, dtype, cache_sharding))
+        for _ in range(m.num_layers)
+    ]
+    rows = plan.sharding(("batch", None))
+    tokens = sds((batch, 1), jax.numpy.int32, rows)
+    first_valid = sds((batch,), jax.numpy.int32, plan.sharding(("batch",)))
+    slot = sds((), jax.numpy.int32, plan.replicated)
+    abstract_params = jax.tree.map(lambda x, s: sds(x.shape, x.dtype, s), params, shardings)
+
+    def step(
+        p: Any, tok: jax.Array, pos: jax.Array, cs: Any, at: jax.Array, first: jax.Array
+    ) -> tuple[jax.Array, Any]:
+        model: Any = nnx.merge(graphdef, p, rest)
+        out: tuple[jax.Array, Any] = model.cached(tok, pos, cs, at, first)
+        return out
+
+    jitted = jax.jit(step, donate_argnums=(3,))
+    t0 = time.perf_counter()
+    with plan.rules():
+        lowered = jitted.lower(abstract_params, tokens, tokens, caches, slot, first_valid)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - t1
+    mem = compiled.memory_analysis()
+    if mem is None:
+        raise RuntimeError(f"XLA gave no memory analysis for the decode step on {topology}")
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    args, temps = mem.argument_size_in_bytes, mem.temp_size_in_bytes
+    outs, alias = mem.output_size_in_bytes, mem.alias_size_in_bytes
+    total = args + temps + outs - alias
+    hbm = hbm_bytes(topology)
+    return {
+        "topology": topology,
+        "chips": n,
+        "mesh": dict(plan.mesh.shape),
+        "preset": plan.preset.name,
+        "batch": batch,
+        "cache_len": cache_len,
+        "arguments_bytes": args,
+        "temporaries_bytes": temps,
+        "outputs_bytes": outs,
+        "alias_bytes": alias,
+        "total_bytes": total,
+        "hbm_bytes": hbm,
+        "fits": total <= hbm,
+        "xla_flops_per_chip": float(cost.get("flops", float("nan"))) if cost else float("nan"),
+        "xla_bytes_accessed_per_chip": float(cost.get("bytes accessed", float("nan")))
+        if cost
+        else float("nan"),
+        "lower_s": t1 - t0,
+        "compile_s": compile_s,
+    }
