@@ -1,0 +1,85 @@
+"""end_to_end/cpu/run_all.sh: the CLIs end to end (prepare -> train -> kill -9 and resume ->
+generate -> HF and back -> logits), and its checks failing loudly on wrong results.
+
+Budget: the script ~100 s alone on 2 cores (measured 102 s), more beside other tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "end_to_end" / "cpu" / "run_all.sh"
+CHECKS = REPO / "end_to_end" / "cpu" / "checks.py"
+STAGES = ("(a) prepare", "(b) train", "(c) the same run", "(d) generate", "(e) convert")
+
+
+@pytest.mark.slow
+def test_run_all_passes_every_stage_and_writes_only_under_its_temp_dir(tmp_path):
+    tmp, home = tmp_path / "tmp", tmp_path / "home"
+    tmp.mkdir()
+    home.mkdir()
+    # The script's mktemp -d goes under TMPDIR; an empty HOME shows nothing lands in ~ either.
+    env = {k: v for k, v in os.environ.items() if k not in ("MOETEXT_DATA_DIR", "KEEP")}
+    env.update(TMPDIR=str(tmp), HOME=str(home))
+    run = subprocess.run(
+        ["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-5000:]
+    assert "FAILED" not in out
+    lines = run.stdout.splitlines()
+    for stage in STAGES:
+        at = next((i for i, line in enumerate(lines) if line.startswith(f"== {stage}")), None)
+        assert at is not None, f"stage {stage} not run:\n{run.stdout}"
+        assert any(line.startswith("   ok (") for line in lines[at + 1 :]), stage
+    assert "final params bit-identical" in run.stdout
+    assert lines[-1].startswith("all stages passed in ")
+    # Cleaned on exit (KEEP unset), and nothing written outside the work dir.
+    assert list(tmp.iterdir()) == [] and list(home.iterdir()) == []
+
+
+def _check(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(CHECKS), *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def _metrics(run_dir: Path, rows: list[dict]) -> None:
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _steps(n: int, loss=lambda s: 6.0 - s / 10) -> list[dict]:
+    return [{"step": s, "loss": loss(s), "grad_norm": 1.0} for s in range(1, n + 1)]
+
+
+@pytest.mark.parametrize(
+    "killed_rows, message",
+    [
+        # A resume that did not drop the rows past its checkpoint repeats them.
+        (_steps(12) + _steps(12)[10:], "steps logged more than once: [11, 12]"),
+        # A final loss off by 1e-7 is not bit-identical.
+        (_steps(12, lambda s: 6.0 - s / 10 + (1e-7 if s == 12 else 0)), "metrics differ"),
+    ],
+)
+def test_the_resume_check_fails_loudly(tmp_path, killed_rows, message):
+    _metrics(tmp_path / "ref", [{"step": 0, "event": "compiled"}, *_steps(12)])
+    compiled = [{"step": 0, "event": "compiled"}, {"step": 10, "event": "compiled"}]
+    _metrics(tmp_path / "run", compiled + killed_rows)
+    got = _check("resumed", str(tmp_path / "run"), str(tmp_path / "ref"), "12", "10")
+    assert got.returncode == 1
+    assert got.stderr.startswith("FAILED resumed: ") and message in got.stderr, got.stderr
+
+
+def test_the_wait_check_fails_when_the_run_ends_before_the_kill(tmp_path):
+    proc = subprocess.Popen(["true"])  # a run that has already ended
+    proc.wait()
+    got = _check("wait-checkpoint", str(tmp_path), str(proc.pid), "60")
+    assert got.returncode == 1 and "ended before it could be killed" in got.stderr, got.stderr
