@@ -62,3 +62,11 @@ def test_prefuse_all_finds_every_moe_layer_and_logits_stay():
     assert moe_decode.prefuse_all(model) == 2  # tiny(): dense, MoE, MoE
     got, _ = model.cached(tokens, positions, model.init_cache(2, 8), 0, first)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+
+
+def test_a_prefused_model_still_runs_its_forward():
+    model = models.build(tiny(), TINY_MOE, KERNELS, rngs=nnx.Rngs(params=0))
+    tokens = np.arange(12, dtype=np.int32).reshape(2, 6) % 128
+    want = np.asarray(model(tokens)[0])
+    moe_decode.prefuse_all(model)
+    np.testing.assert_array_equal(np.asarray(model(tokens)[0]), want)  # halves of w_gate_up

@@ -151,7 +151,8 @@ def dropless(
         )
     tok = PartitionSpec(layout.token_axes)  # type: ignore[no-untyped-call]  # jax: PartitionSpec.__new__ unannotated
     make_body = _local_body if layout.num_shards == 1 else _shard_body
-    body = make_body(layout, experts.w_gate.shape[0], experts.dtype, gmm)
+    w_gate, w_up = experts.gate_up()
+    body = make_body(layout, w_gate.shape[0], experts.dtype, gmm)
     fn = jax.shard_map(
         body,
         mesh=layout.mesh,
@@ -161,7 +162,7 @@ def dropless(
         # the vma checker rejects; the specs above state the replication exactly instead.
         check_vma=False,
     )
-    return fn(x_TD, ids_TK, experts.w_gate[...], experts.w_up[...], experts.w_down[...])
+    return fn(x_TD, ids_TK, w_gate, w_up, experts.w_down[...])
 
 
 def _local_body(layout: EPLayout, num_experts: int, dtype: DTypeLike, gmm: Gmm) -> ShardBody:

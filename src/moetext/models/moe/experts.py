@@ -51,15 +51,25 @@ class Experts(nnx.Module):
         def mm(lhs: jax.Array, w: jax.Array) -> jax.Array:
             return gmm(lhs, w, group_sizes_E, preferred_element_type=dt)
 
-        w_gate, w_up, w_down = (w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down))
+        w_gate, w_up = (w.astype(dt) for w in self.gate_up())
+        w_down = self.w_down[...].astype(dt)
         return swiglu_mlp(xs_MD.astype(dt), w_gate, w_up, w_down, mm, mm, gmm=gmm)
+
+    def gate_up(self) -> tuple[jax.Array, jax.Array]:
+        """(w_gate, w_up) [E, D, F], also after moe.decode.prefuse (halves of w_gate_up)."""
+        if hasattr(self, "w_gate_up"):
+            fused = self.w_gate_up[...]
+            f = fused.shape[-1] // 2
+            return fused[..., :f], fused[..., f:]
+        return self.w_gate[...], self.w_up[...]
 
     def batched(self, x_ECD: jax.Array) -> jax.Array:
         """Fixed-capacity buffers [E, C, D] through their expert's MLP (plain einsums)."""
         dt = self.dtype
         x = x_ECD.astype(dt)
-        gate_ECF = jnp.einsum("ecd,edf->ecf", x, self.w_gate[...].astype(dt))
-        up_ECF = jnp.einsum("ecd,edf->ecf", x, self.w_up[...].astype(dt))
+        w_gate, w_up = self.gate_up()
+        gate_ECF = jnp.einsum("ecd,edf->ecf", x, w_gate.astype(dt))
+        up_ECF = jnp.einsum("ecd,edf->ecf", x, w_up.astype(dt))
         h_ECF = swiglu(gate_ECF, up_ECF)
         return jnp.einsum("ecf,efd->ecd", h_ECF, self.w_down[...].astype(dt))
 
