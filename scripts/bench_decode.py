@@ -99,7 +99,7 @@ def main() -> None:
         for batch in (int(b) for b in args.batches.split(",")):
             result: dict[str, Any] = {"shape": shape, "batch": batch}
             # unfused: the training layer; prefused: grouped gate|up (no gather); decode: as
-            # moetext.generate runs (gathered while batch * top_k < num_experts).
+            # moetext.generate runs (gathered while batch * top_k <= num_experts / 8).
             for mode, prefused, gather_rows in (
                 ("unfused", False, None),
                 ("prefused", True, 0),

@@ -6,10 +6,11 @@ Legend: T tokens, K experts per token, E experts, D emb_dim, F moe_intermediate_
 (`[gate | up]` on the last axis), so a step reads the input once for both (the training layer's
 `kernels.fuse_gate_up` concatenates them inside every step instead). Then per step:
 
-- `gathered` (decode-shaped: T * K rows fewer than E, e.g. one token per row of a small
-  batch; `GATHER_BELOW`): read only the routed experts' weights, w_gate_up[ids] [T, K, D, 2F] and
-  w_down[ids] [T, K, F, D], and contract them with each token: the step touches K of E experts
-  per token, not all E (for Qwen3-30B-A3B, 8 of 128);
+- `gathered` (decode-shaped: T * K rows at most E / 8, e.g. one token per row of a batch of
+  one or two at Qwen3-30B-A3B's E = 128, K = 8; `GATHER_BELOW`): read only the routed
+  experts' weights, w_gate_up[ids] [T, K, D, 2F] and w_down[ids] [T, K, F, D], and contract
+  them with each token: the step touches K of E experts per token, not all E (for
+  Qwen3-30B-A3B, 8 of 128);
 - `grouped` (prefill, many tokens): sort the T * K assignments by expert, one grouped matmul
   against w_gate_up, SwiGLU on its two halves, one grouped matmul against w_down.
 
@@ -27,8 +28,10 @@ from moetext.kernels.gmm import Gmm
 from moetext.models.moe import dispatch as dsp
 from moetext.models.moe.experts import Experts
 
-# The gathered path runs while T * K (token, expert) rows are fewer than this; None: fewer than
-# E, i.e. while gathering reads fewer expert weights than the grouped matmuls' E.
+# The gathered path runs while T * K (token, expert) rows are fewer than this; None: E // 8 + 1.
+# Gathering copies each row's expert weights before the contraction, so it only pays off well
+# below E rows: on CPU at the Qwen3-30B-A3B shape (E = 128) a decode step with 8 rows was 1.9x
+# faster gathered than grouped, one with 64 rows 1.4x slower (docs/performance.md, "Decoding").
 GATHER_BELOW: int | None = None
 
 
@@ -92,7 +95,7 @@ def expert_outputs(
 ) -> jax.Array:
     """y_TKD of a prefused layer: gathered for few rows, grouped for many (static shapes)."""
     w_gu, w_down = experts.w_gate_up[...], experts.w_down[...]
-    below = w_gu.shape[0] if GATHER_BELOW is None else GATHER_BELOW
+    below = w_gu.shape[0] // 8 + 1 if GATHER_BELOW is None else GATHER_BELOW
     if ids_TK.size < below:
         return gathered(x_TD, ids_TK, w_gu, w_down, dtype)
     return grouped(x_TD, ids_TK, w_gu, w_down, gmm, dtype)
