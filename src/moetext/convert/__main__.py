@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 import moetext  # noqa: F401  (quiets libtpu's TPU probing before jax starts)
@@ -29,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("--max_shard_size_gb", type=float, default=5.0, help="cap per safetensors file")
     o.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = p.parse_args(argv)
+    # orbax reports routine facts (no per-process OCDBT subdirs to merge, no step metadata
+    # in a state/ item) as absl warnings; this command's own errors are one `error:` line.
+    logging.getLogger("absl").setLevel(logging.ERROR)
     try:
         if args.command == "hf-to-orbax":
             from moetext.convert.hf_to_orbax import emit_config, hf_to_orbax

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 
@@ -31,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", help="default: the checkpoint's or the run's tokenizer")
     p.add_argument("--jsonl", action="store_true", help="JSON lines instead of plain text")
     args = p.parse_intermixed_args(argv)
+    # orbax reports routine facts (no per-process OCDBT subdirs to merge, no step metadata
+    # in a state/ item) as absl warnings; this command's own errors are one `error:` line.
+    logging.getLogger("absl").setLevel(logging.ERROR)
     try:
         from moetext.generate import Sampling, batch_shards, generate_text, load
         from moetext.train.loop import make_plan
