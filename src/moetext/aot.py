@@ -262,21 +262,38 @@ def exceeds_hbm(error: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in str(error) or "HbmOom" in str(error)
 
 
+def memory_and_cost(compiled: jax.stages.Compiled, topology: str) -> dict[str, Any]:
+    """Per-chip buffer bytes against the chip's HBM, and XLA's FLOPs and bytes accessed."""
+    mem = compiled.memory_analysis()
+    if mem is None:  # the TPU compiler always provides one
+        raise RuntimeError(f"XLA gave no memory analysis for the program on {topology}")
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    args, temps = mem.argument_size_in_bytes, mem.temp_size_in_bytes
+    outs, alias = mem.output_size_in_bytes, mem.alias_size_in_bytes
+    # Donated inputs: outputs that alias arguments take no extra memory.
+    total = args + temps + outs - alias
+    hbm = hbm_bytes(topology)
+    nan = float("nan")
+    return {
+        "arguments_bytes": args,
+        "temporaries_bytes": temps,
+        "outputs_bytes": outs,
+        "alias_bytes": alias,
+        "total_bytes": total,
+        "hbm_bytes": hbm,
+        "fits": total <= hbm,
+        # XLA's cost analysis counts a while body once (a layer scan's FLOPs appear once).
+        "xla_flops_per_chip": float(cost.get("flops", nan)) if cost else nan,
+        "xla_bytes_accessed_per_chip": float(cost.get("bytes accessed", nan)) if cost else nan,
+    }
+
+
 def report(step: CompiledStep) -> dict[str, Any]:
     """Per-chip memory against HBM, FLOPs and collectives of a compiled step (JSON-ready)."""
     from moetext.models.flops import flops_per_token
 
     cfg, b, compiled = step.built.cfg, step.built, step.compiled
-    mem = compiled.memory_analysis()
-    if mem is None:  # the TPU compiler always provides one
-        raise RuntimeError(f"XLA gave no memory analysis for the step on {step.topology}")
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list | tuple) else cost
-    args, temps = mem.argument_size_in_bytes, mem.temp_size_in_bytes
-    outs, alias = mem.output_size_in_bytes, mem.alias_size_in_bytes
-    # Donated state: outputs that alias arguments take no extra memory.
-    total = args + temps + outs - alias
-    hbm = hbm_bytes(step.topology)
     chips = b.mesh.devices.size
     tokens_per_chip = cfg.data.global_batch_size * cfg.data.seq_len / chips
     hlo = compiled.as_text() or ""
@@ -290,15 +307,7 @@ def report(step: CompiledStep) -> dict[str, Any]:
         "global_batch_size": cfg.data.global_batch_size,
         "seq_len": cfg.data.seq_len,
         "tokens_per_chip": tokens_per_chip,
-        "arguments_bytes": args,
-        "temporaries_bytes": temps,
-        "outputs_bytes": outs,
-        "alias_bytes": alias,
-        "total_bytes": total,
-        "hbm_bytes": hbm,
-        "fits": total <= hbm,
-        # XLA's cost analysis counts a while body once: the layer scan's FLOPs appear once.
-        "xla_flops_per_chip": float(cost.get("flops", float("nan"))) if cost else float("nan"),
+        **memory_and_cost(compiled, step.topology),
         # Model FLOPs (6N + attention, no remat recompute): what MFU is measured against.
         "model_flops_per_chip": flops_per_token(cfg.model, cfg.moe, cfg.data.seq_len)
         * tokens_per_chip,
@@ -411,15 +420,6 @@ def compile_decode_step(
     t1 = time.perf_counter()
     compiled = lowered.compile()
     compile_s = time.perf_counter() - t1
-    mem = compiled.memory_analysis()
-    if mem is None:
-        raise RuntimeError(f"XLA gave no memory analysis for the decode step on {topology}")
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list | tuple) else cost
-    args, temps = mem.argument_size_in_bytes, mem.temp_size_in_bytes
-    outs, alias = mem.output_size_in_bytes, mem.alias_size_in_bytes
-    total = args + temps + outs - alias
-    hbm = hbm_bytes(topology)
     return {
         "topology": topology,
         "chips": n,
@@ -427,17 +427,7 @@ def compile_decode_step(
         "preset": plan.preset.name,
         "batch": batch,
         "cache_len": cache_len,
-        "arguments_bytes": args,
-        "temporaries_bytes": temps,
-        "outputs_bytes": outs,
-        "alias_bytes": alias,
-        "total_bytes": total,
-        "hbm_bytes": hbm,
-        "fits": total <= hbm,
-        "xla_flops_per_chip": float(cost.get("flops", float("nan"))) if cost else float("nan"),
-        "xla_bytes_accessed_per_chip": float(cost.get("bytes accessed", float("nan")))
-        if cost
-        else float("nan"),
+        **memory_and_cost(compiled, topology),
         "lower_s": t1 - t0,
         "compile_s": compile_s,
     }

@@ -59,6 +59,19 @@ def check_dtype(name: str, part: np.ndarray) -> None:
         )
 
 
+def read_parts(reader: SafetensorsReader, t: qwen3_hf.Tensor) -> list[np.ndarray]:
+    """The HF tensors of `t` (memory-mapped), each checked for a float dtype and its shape."""
+    parts = [reader.get(name) for name in t.hf_names]
+    for name, part in zip(t.hf_names, parts, strict=True):
+        check_dtype(name, part)
+        if tuple(part.shape) != t.hf_shape:
+            raise ConfigError(
+                f"tensor {name} has shape {tuple(part.shape)}; config.json needs {t.hf_shape} "
+                f"(moetext {'.'.join(map(str, t.path))} {t.shape})"
+            )
+    return parts
+
+
 def check_tensors(reader: SafetensorsReader, tensors: list[qwen3_hf.Tensor], tied: bool) -> None:
     """Every tensor the model needs is there and nothing else is (named either way)."""
     want = {n for t in tensors for n in t.hf_names}
@@ -93,14 +106,7 @@ def load_model(
     )
     graphdef, state = nnx.split(abstract)
     for t in tensors:
-        parts = [reader.get(name) for name in t.hf_names]
-        for name, part in zip(t.hf_names, parts, strict=True):
-            check_dtype(name, part)
-            if tuple(part.shape) != t.hf_shape:
-                raise ConfigError(
-                    f"tensor {name} has shape {tuple(part.shape)}; config.json needs "
-                    f"{t.hf_shape} (moetext {'.'.join(map(str, t.path))} {t.shape})"
-                )
+        parts = read_parts(reader, t)
         var: Any = state
         for key in t.path:
             var = var[key]

@@ -36,7 +36,7 @@ from moetext import config as config_lib
 from moetext import models
 from moetext.checkpoint import shape_mismatches
 from moetext.config.schema import Config
-from moetext.convert.hf import DTYPES, check_dtype, check_tensors, read_config
+from moetext.convert.hf import DTYPES, check_tensors, read_config, read_parts
 from moetext.convert.safetensors_io import SafetensorsReader
 from moetext.errors import ConfigError
 from moetext.models.qwen3_moe import hf as qwen3_hf
@@ -95,14 +95,7 @@ def _mapped(
 ) -> np.ndarray:
     """The moetext array of `t`, as a memory map: the HF tensor itself when nothing changes,
     else a scratch file filled one HF tensor (one expert) at a time."""
-    parts = [reader.get(name) for name in t.hf_names]
-    for name, part in zip(t.hf_names, parts, strict=True):
-        check_dtype(name, part)
-        if tuple(part.shape) != t.hf_shape:
-            raise ConfigError(
-                f"tensor {name} has shape {tuple(part.shape)}; config.json needs {t.hf_shape} "
-                f"(moetext {'.'.join(map(str, t.path))} {t.shape})"
-            )
+    parts = read_parts(reader, t)
     if t.kind == "same" and parts[0].dtype == dtype:
         return parts[0]
     path = scratch / f"{len(list(scratch.iterdir())):06d}.bin"

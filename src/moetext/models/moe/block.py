@@ -123,11 +123,7 @@ class MoEBlock(nnx.Module):
             y_TKD, dropped = self._capacity(x_TD, ids_TK)
         y_TD = dsp.combine(y_TKD, weights_TK, self.dtype)
         if self.shared is not None:
-            shared_TD = self.shared(x_TD)
-            if self.cfg.shared_expert_gate:  # Qwen2-MoE: sigmoid(x @ w) per token
-                gate_T1 = jax.nn.sigmoid(jnp.dot(x_TD, self.shared_gate[...].astype(self.dtype)))
-                shared_TD = gate_T1 * shared_TD
-            y_TD = y_TD + shared_TD
+            y_TD = y_TD + self._shared(x_TD)
         lb, z = load_balance_loss(probs_TE, ids_TK), router_z_loss(logits_TE)
         aux = {
             "moe_loss": cfg.aux_loss_weight * lb + cfg.z_loss_weight * z,
@@ -153,12 +149,18 @@ class MoEBlock(nnx.Module):
         y_TKD = moe_decode.expert_outputs(self.experts, x_TD, ids_TK, self.gmm, self.dtype)
         y_TD = dsp.combine(y_TKD, weights_TK, self.dtype)
         if self.shared is not None:
-            shared_TD = self.shared(x_TD)
-            if cfg.shared_expert_gate:
-                gate_T1 = jax.nn.sigmoid(jnp.dot(x_TD, self.shared_gate[...].astype(self.dtype)))
-                shared_TD = gate_T1 * shared_TD
-            y_TD = y_TD + shared_TD
+            y_TD = y_TD + self._shared(x_TD)
         return y_TD.reshape(b, s, d)
+
+    def _shared(self, x_TD: jax.Array) -> jax.Array:
+        """The shared experts' output, scaled per token by sigmoid(x @ w) under
+        shared_expert_gate (Qwen2-MoE)."""
+        assert self.shared is not None
+        shared_TD = self.shared(x_TD)
+        if self.cfg.shared_expert_gate:
+            gate_T1 = jax.nn.sigmoid(jnp.dot(x_TD, self.shared_gate[...].astype(self.dtype)))
+            shared_TD = gate_T1 * shared_TD
+        return shared_TD
 
     def _dropless(self, x_TD: jax.Array, ids_TK: jax.Array) -> jax.Array:
         # The sharding rules, not a flag, decide: tokens or experts split over mesh axes of
