@@ -6,6 +6,8 @@ mlp_only_layers (the Hugging Face Qwen3-MoE rule); the others hold a SwiGLU of w
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from flax import nnx
 
 from moetext.config.schema import KernelsConfig, ModelConfig, MoEConfig
@@ -38,28 +40,42 @@ LOGICAL_AXES = frozenset(
 )
 
 
-def _build(m: ModelConfig, moe: MoEConfig, k: KernelsConfig, rngs: nnx.Rngs) -> Decoder:
-    return Decoder(m, moe, k, moe_pattern=moe_layer_pattern(m), rngs=rngs)
+def decoder_family(
+    name: str,
+    description: str,
+    pattern: Callable[[ModelConfig], tuple[bool, ...]],
+    logical_axes: frozenset[str],
+) -> ModelFamily:
+    """The Qwen3 Decoder as a family whose MoE layers `pattern` picks (qwen3_moe, dense):
+    module tree, counts and layer restacking all follow the one pattern."""
 
+    def build(m: ModelConfig, moe: MoEConfig, k: KernelsConfig, rngs: nnx.Rngs) -> Decoder:
+        return Decoder(m, moe, k, moe_pattern=pattern(m), rngs=rngs)
 
-def _count(m: ModelConfig, moe: MoEConfig) -> ParamCounts:
-    return decoder_param_counts(m, moe, moe_layer_pattern(m))
+    def count(m: ModelConfig, moe: MoEConfig) -> ParamCounts:
+        return decoder_param_counts(m, moe, pattern(m))
 
+    def flops(m: ModelConfig, moe: MoEConfig, seq_len: int) -> float:
+        return decoder_flops_per_token(m, moe, seq_len, pattern(m))
 
-def _flops(m: ModelConfig, moe: MoEConfig, seq_len: int) -> float:
-    return decoder_flops_per_token(m, moe, seq_len, moe_layer_pattern(m))
+    return ModelFamily(
+        name=name,
+        description=description,
+        build=build,
+        moe_layers=pattern,
+        count_params=count,
+        flops_per_token=flops,
+        logical_axes=logical_axes,
+        stack_layers=lambda p, m: stack_layers(p, pattern(m)),
+        unstack_layers=lambda p, m: unstack_layers(p, pattern(m)),
+    )
 
 
 FAMILY = register_family(
-    ModelFamily(
-        name="qwen3_moe",
-        description="Qwen3-MoE decoder: GQA + qk-norm, MoE every decoder_sparse_step layers",
-        build=_build,
-        moe_layers=moe_layer_pattern,
-        count_params=_count,
-        flops_per_token=_flops,
-        logical_axes=LOGICAL_AXES,
-        stack_layers=lambda p, m: stack_layers(p, moe_layer_pattern(m)),
-        unstack_layers=lambda p, m: unstack_layers(p, moe_layer_pattern(m)),
+    decoder_family(
+        "qwen3_moe",
+        "Qwen3-MoE decoder: GQA + qk-norm, MoE every decoder_sparse_step layers",
+        moe_layer_pattern,
+        LOGICAL_AXES,
     )
 )
