@@ -19,7 +19,6 @@ next to OUT and renamed at the end, so a failed conversion leaves nothing at OUT
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -38,6 +37,7 @@ from moetext.checkpoint import shape_mismatches
 from moetext.config.schema import Config
 from moetext.convert.hf import DTYPES, check_tensors, read_config, read_parts
 from moetext.convert.safetensors_io import SafetensorsReader
+from moetext.convert.staging import publish, refuse_existing, staging
 from moetext.errors import ConfigError
 from moetext.models.qwen3_moe import hf as qwen3_hf
 
@@ -114,12 +114,6 @@ def _mapped(
     return np.memmap(path, dtype, "r", shape=t.shape)
 
 
-def _refuse_existing(out: Path, overwrite: bool) -> None:
-    empty_dir = out.is_dir() and not any(out.iterdir())
-    if out.exists() and not empty_dir and not overwrite:
-        raise ConfigError(f"{out} already exists; pass --overwrite to replace it")
-
-
 def hf_to_orbax(
     hf_dir: str | Path,
     out: str | Path,
@@ -135,7 +129,7 @@ def hf_to_orbax(
     dtype = dtype or stored
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    _refuse_existing(out, overwrite)
+    refuse_existing(out, overwrite)
     reader = SafetensorsReader(hf_dir)
     tensors = qwen3_hf.tensor_map(cfg.model, cfg.moe)
     check_tensors(reader, tensors, cfg.model.tie_embeddings)
@@ -146,12 +140,9 @@ def hf_to_orbax(
             file=sys.stderr,
         )
 
-    stage = out.parent / f".{out.name}.converting-{os.getpid()}"
-    if stage.exists():
-        shutil.rmtree(stage)
-    scratch = stage / "scratch"
-    scratch.mkdir(parents=True)
-    try:
+    with staging(out) as stage:
+        scratch = stage / "scratch"
+        scratch.mkdir()
         params = abstract_params(cfg)
         target = np_dtype(dtype)
         for t in tensors:
@@ -191,11 +182,7 @@ def hf_to_orbax(
             (ckpt / "tokenizer").mkdir()
             for f in tokenizer:
                 shutil.copy2(f, ckpt / "tokenizer" / f.name)
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        ckpt.rename(out)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        publish(ckpt, out)
     return cfg
 
 

@@ -11,13 +11,12 @@ config.json (released Qwen3-MoE spelling), generation_config.json and the tokeni
 
 Parameters are restored one at a time (orbax partial restore of a single leaf, as NumPy), turned
 into HF tensors and written; a scan_layers checkpoint restores one stacked leaf ([L, ...] of one
-kind) at a time. Everything goes to a staging directory renamed to OUT at the end.
+kind) at a time. Everything goes to a staging directory (convert/staging.py) renamed to OUT at the end.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +29,8 @@ from moetext import config as config_lib
 from moetext.checkpoint import read_meta_config, shape_mismatches
 from moetext.config.schema import Config
 from moetext.convert import safetensors_io
-from moetext.convert.hf_to_orbax import _refuse_existing, np_dtype
+from moetext.convert.hf_to_orbax import np_dtype
+from moetext.convert.staging import publish, refuse_existing, staging
 from moetext.errors import ConfigError
 from moetext.models.qwen3_moe import hf as qwen3_hf
 from moetext.models.qwen3_moe.model import moe_layer_pattern, segments
@@ -121,31 +121,25 @@ def orbax_to_hf(
     stored = np.dtype(params.tree["embed"]["value"].dtype).name
     dtype = dtype or ("bfloat16" if stored == "bfloat16" else stored)
     hf_config = qwen3_hf.config_to_hf(cfg.model, cfg.moe, dtype)
-    _refuse_existing(out, overwrite)
+    refuse_existing(out, overwrite)
     target = np_dtype(dtype)
 
     def named() -> Iterator[tuple[str, np.ndarray]]:
         for t, array in moetext_arrays(params, cfg):
             yield from zip(t.hf_names, t.to_hf(array.astype(target)), strict=True)
 
-    stage = out.parent / f".{out.name}.converting-{os.getpid()}"
-    if stage.exists():
-        shutil.rmtree(stage)
-    stage.mkdir(parents=True)
-    try:
-        files = safetensors_io.write(stage, named(), max_shard_bytes=max_shard_bytes)
-        (stage / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    with staging(out) as stage:
+        done = stage / "hf"
+        done.mkdir()
+        files = safetensors_io.write(done, named(), max_shard_bytes=max_shard_bytes)
+        (done / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         tok = _tokenizer_dir(ckpt)
         if tok is not None:
             for f in sorted(tok.iterdir()):
                 if f.is_file():
-                    shutil.copy2(f, stage / f.name)
-        if not (stage / "generation_config.json").exists():
+                    shutil.copy2(f, done / f.name)
+        if not (done / "generation_config.json").exists():
             gen = {"_from_model_config": True}
-            (stage / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        stage.rename(out)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
+            (done / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        publish(done, out)
     return [out / f.name for f in files]
