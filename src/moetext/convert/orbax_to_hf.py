@@ -11,7 +11,8 @@ config.json (released Qwen3-MoE spelling), generation_config.json and the tokeni
 
 Parameters are restored one at a time (orbax partial restore of a single leaf, as NumPy), turned
 into HF tensors and written; a scan_layers checkpoint restores one stacked leaf ([L, ...] of one
-kind) at a time. Everything goes to a staging directory (convert/staging.py) renamed to OUT at the end.
+kind) at a time. Everything goes to a staging directory (convert/staging.py) renamed to OUT at
+the end.
 """
 
 from __future__ import annotations
