@@ -25,6 +25,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from moetext.kernels.gmm import Gmm
+from moetext.models.layers.rowdot import dot_rows
 from moetext.models.moe import dispatch as dsp
 from moetext.models.moe.experts import Experts
 
@@ -62,14 +63,29 @@ def is_prefused(experts: Experts) -> bool:
 def gathered(
     x_TD: jax.Array, ids_TK: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, dtype: DTypeLike
 ) -> jax.Array:
-    """y_TKD: each token through each of its K experts, reading only those experts' weights."""
+    """y_TKD: each (token, expert) pair in turn, reading only that expert's weights.
+
+    One loop iteration per pair slices w_gate_up[e] and w_down[e] and multiplies the token's
+    row by them (`dot_rows`); nothing the size of T * K experts is ever materialised. (A gather
+    w_gate_up[ids] first copies [T, K, D, 2F] and then reads the copy: on CPU that copy cost
+    more than the matmuls, docs/performance.md "Decoding".)"""
+    t, k = ids_TK.shape
     x = x_TD.astype(dtype)
-    w_gu_TKDF2 = jnp.take(w_gate_up, ids_TK, axis=0).astype(dtype)
-    gu_TKF2 = jnp.einsum("td,tkdf->tkf", x, w_gu_TKDF2)
-    f = gu_TKF2.shape[-1] // 2
-    h_TKF = jax.nn.silu(gu_TKF2[..., :f]) * gu_TKF2[..., f:]
-    w_down_TKFD = jnp.take(w_down, ids_TK, axis=0).astype(dtype)
-    return jnp.einsum("tkf,tkfd->tkd", h_TKF, w_down_TKFD)
+    ids_M = ids_TK.reshape(t * k)
+    f = w_gate_up.shape[-1] // 2
+
+    def pair(m: jax.Array, y_MD: jax.Array) -> jax.Array:
+        e = ids_M[m]
+        x_1D = jax.lax.dynamic_slice_in_dim(x, m // k, 1)
+        w_gu_DF2 = jax.lax.dynamic_index_in_dim(w_gate_up, e, keepdims=False)
+        gu_1F2 = dot_rows(x_1D, w_gu_DF2, w_contract=0, dtype=dtype, out_dtype=dtype)
+        h_1F = jax.nn.silu(gu_1F2[:, :f]) * gu_1F2[:, f:]
+        w_down_FD = jax.lax.dynamic_index_in_dim(w_down, e, keepdims=False)
+        y_1D = dot_rows(h_1F, w_down_FD, w_contract=0, dtype=dtype, out_dtype=dtype)
+        return jax.lax.dynamic_update_slice_in_dim(y_MD, y_1D, m, axis=0)
+
+    y_MD = jax.lax.fori_loop(0, t * k, pair, jnp.zeros((t * k, x.shape[1]), dtype))
+    return y_MD.reshape(t, k, -1)
 
 
 def grouped(

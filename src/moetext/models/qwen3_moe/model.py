@@ -24,6 +24,7 @@ from moetext.models.layers.mlp import SwiGLU
 from moetext.models.layers.norms import RMSNorm
 from moetext.models.layers.params import as_dtype, make_param, normal
 from moetext.models.layers.rope import rope_cos_sin
+from moetext.models.layers.rowdot import dot_rows
 from moetext.models.moe.block import AUX_KEYS, LOAD_KEY, MoEBlock, zero_aux
 from moetext.models.moe.experts import gmm_from_config
 from moetext.sharding.logical import constrain
@@ -306,10 +307,12 @@ class Decoder(nnx.Module):
         for layer, cache in zip(self.layers, caches, strict=True):
             x_BSD, cache = layer.cached(x_BSD, cos_BSH, sin_BSH, cache, start, mask_BST)
             new_caches.append(cache)
-        x_BSD = self.final_norm(x_BSD)
+        x_TD = self.final_norm(x_BSD).reshape(b * s, -1)
         head_VD = self.embed[...] if self.cfg.tie_embeddings else self.lm_head[...]
-        logits_BSV = jnp.einsum("bsd,vd->bsv", x_BSD, head_VD.astype(self.dtype))
-        return logits_BSV.astype(jnp.float32), new_caches
+        # dot_rows: a batch-1 decode step is one row, which XLA:CPU would multiply by a float32
+        # copy of the whole head (layers/rowdot.py); the values are __call__'s.
+        logits_TV = dot_rows(x_TD, head_VD, w_contract=1, dtype=self.dtype, out_dtype=jnp.float32)
+        return logits_TV.reshape(b, s, -1), new_caches
 
     def _run_layers(
         self,
