@@ -87,3 +87,24 @@ def quiet_orbax_failures() -> None:
         previous_unraisable(u)
 
     sys.unraisablehook = unraisablehook
+
+
+class _AbsentStepMetadata(logging.Filter):
+    """Orbax warns 'Metadata file does not exist: <dir>/_CHECKPOINT_METADATA' whenever a
+    checkpoint's `state/` is read on its own: that file lives one level up, in the step
+    directory (a CheckpointManager step) or nowhere (a conversion). A routine fact, not a
+    problem; every other orbax warning stays."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            record.msg == "Metadata file does not exist: %s"
+            and isinstance(record.args, tuple)
+            and len(record.args) == 1
+            and str(record.args[0]).endswith("/_CHECKPOINT_METADATA")
+        )
+
+
+@functools.cache  # once per process
+def quiet_absent_step_metadata() -> None:
+    """Installs _AbsentStepMetadata on the absl logger (orbax logs through absl)."""
+    logging.getLogger("absl").addFilter(_AbsentStepMetadata())

@@ -22,6 +22,7 @@ from moetext import checkpoint as checkpoint_lib
 from moetext import models
 from moetext.config import Config
 from moetext.errors import ConfigError
+from moetext.orbax_noise import quiet_absent_step_metadata
 from moetext.sharding.plan import Plan
 
 Params = nnx.State[Any, Any]
@@ -67,6 +68,7 @@ def load_params(cfg: Config, plan: Plan, directory: str) -> Params:
     """The params of `directory` for a run of `cfg` on `plan` (sharded, in param_dtype)."""
     d = epath.Path(directory)
     where = f"checkpoint.load_params_from={directory}"
+    quiet_absent_step_metadata()
     if not d.exists():
         raise ConfigError(f"{where}: the directory does not exist")
     saved = checkpoint_lib.read_meta_config(d)
