@@ -1,0 +1,63 @@
+"""dot_rows: a few rows times a 2-D weight, as the decode step runs its head and experts."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moetext.models.layers.rowdot import dot_rows
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("w_contract", [0, 1])
+def test_dot_rows_equals_the_float64_product(m, w_contract):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((m, 24))
+    w = rng.standard_normal((24, 40) if w_contract == 0 else (40, 24))
+    want = x @ (w if w_contract == 0 else w.T)
+    got = dot_rows(
+        jnp.asarray(x, jnp.float32),
+        jnp.asarray(w, jnp.float32),
+        w_contract=w_contract,
+        dtype=jnp.float32,
+        out_dtype=jnp.float32,
+    )
+    assert got.shape == (m, 40) and got.dtype == jnp.float32
+    # float32 operands, K = 24: a few ulps of the largest product.
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_single_row_matches_a_bf16_output_dot():
+    """Rounded to bf16 like a dot whose output dtype is bf16 (what the model's __call__ does)."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((1, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((96, 64)), jnp.bfloat16)
+    got = dot_rows(x, w, w_contract=1, dtype=jnp.bfloat16, out_dtype=jnp.float32)
+    want = jnp.einsum("md,vd->mv", x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(jnp.float32)))
+
+
+def test_a_single_bf16_row_never_converts_the_weight_to_float32():
+    """The point of dot_rows on XLA:CPU: the compiled program holds no float32 copy of w."""
+    x = jnp.zeros((1, 256), jnp.bfloat16)
+    w = jnp.zeros((512, 256), jnp.bfloat16)
+    f = jax.jit(
+        lambda x, w: dot_rows(x, w, w_contract=1, dtype=jnp.bfloat16, out_dtype=jnp.float32)
+    )
+    hlo = f.lower(x, w).compile().as_text()
+    assert not re.search(r"f32\[(512,256|256,512)\]", hlo), "w was converted to float32"
+    naive = jax.jit(lambda x, w: jnp.einsum("md,vd->mv", x, w).astype(jnp.float32))
+    if jax.devices()[0].platform == "cpu":  # the behaviour dot_rows works around
+        assert re.search(r"f32\[(512,256|256,512)\]", naive.lower(x, w).compile().as_text())
+
+
+def test_mismatched_shapes_are_named():
+    x = jnp.zeros((2, 8))
+    with pytest.raises(ValueError, match=r"K=8 but w \(6, 5\) has 6 on axis 0"):
+        dot_rows(x, jnp.zeros((6, 5)), w_contract=0, dtype=jnp.float32, out_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="2-D weight"):
+        dot_rows(x, jnp.zeros((8, 5, 1)), w_contract=0, dtype=jnp.float32, out_dtype=jnp.float32)
