@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
+import pytest
+
 from moetext import config
 from moetext.aot import compile_decode_step
 
@@ -18,3 +21,41 @@ def test_tiny_decode_step_compiles_for_v5e_and_fits():
     # the batch) are donated: the outputs alias them.
     assert r["alias_bytes"] == 2 * 2 * 8 * 256 * 2 * 16 * 4 // 4
     assert r["xla_flops_per_chip"] > 0
+
+
+def _param_bytes(cfg: config.Config) -> int:
+    """Bytes of the model's params at param_dtype (abstract: nothing is allocated)."""
+    from flax import nnx
+
+    from moetext import models
+
+    abstract = nnx.eval_shape(
+        lambda: models.build(cfg.model, cfg.moe, cfg.kernels, rngs=nnx.Rngs(params=0))
+    )
+    leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
+    return sum(x.size * x.dtype.itemsize for x in leaves)
+
+
+# end_to_end/tpu/qwen3-30b-a3b/decode_aot.sh: the step decode.sh runs (bf16 params, fsdp, a
+# 4096-slot cache) at batch 8 fits v5e:2x4 (15.22 of 16 GiB per chip) and v6e:2x2 (29.52 of 32).
+# 1-2.5 min per topology on 2 shared CPU cores (measured: compile 58-80 s, 145 s under load).
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("topology, chips", [("v5e:2x4", 8), ("v6e:2x2", 4)])
+def test_qwen3_30b_decode_step_fits(topology, chips):
+    cfg = config.load(
+        REPO / "configs/models/qwen3-30b-a3b.yml",
+        ["model.param_dtype=bfloat16", "sharding.preset=fsdp"],
+    )
+    batch, cache_len = 8, 4096
+    r = compile_decode_step(cfg, topology, batch=batch, cache_len=cache_len)
+    assert r["chips"] == chips and r["mesh"]["fsdp"] == chips and r["fits"], r
+    m = cfg.model
+    cache = m.num_layers * 2 * batch * cache_len * m.num_kv_heads * m.head_dim * 2  # k, v bf16
+    # The donated caches (split over the batch) are what the outputs alias, exactly.
+    assert r["alias_bytes"] == cache // chips
+    # Every weight is split over the chips (fsdp): arguments are the params' share plus the
+    # caches', not a replicated copy (the norms, replicated, are ~1 MB).
+    params = _param_bytes(cfg)
+    assert params > 60e9  # ~30.5B bf16
+    per_chip = params / chips + cache / chips
+    assert per_chip <= r["arguments_bytes"] <= per_chip * 1.001 + 2**20, r
