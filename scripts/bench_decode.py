@@ -2,7 +2,8 @@
 (gathered routed experts), at several batch sizes, in one process.
 
     .venv/bin/python scripts/bench_decode.py [--shapes tiny,30b-2layer] [--batches 1,8,64]
-        [--steps 64] [--repeats 3] [--out bench.json] [--aot v5e:2x4,v6e:2x2 --shapes ""]
+        [--steps 64] [--repeats 3] [--out bench.json]
+        [--aot v5e:2x4,v6e:2x2 --shapes "" [--aot_preset fsdp_ep --aot_set sharding.mesh.expert=4]]
 
 A decode step is one new token for every row of the batch (KV cache, jitted while_loop). Time
 per step = (best of --repeats generate calls with 1 + steps new tokens - best of --repeats with
@@ -81,6 +82,13 @@ def main() -> None:
     p.add_argument("--aot_batch", type=int, default=8)
     p.add_argument("--aot_cache", type=int, default=4096)
     p.add_argument("--aot_preset", default="fsdp")
+    p.add_argument(
+        "--aot_set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra config overrides for the AOT compile, e.g. sharding.mesh.expert=4",
+    )
     args = p.parse_args()
     rows: list[dict[str, Any]] = []
     for topology in filter(None, args.aot.split(",")):
@@ -88,7 +96,7 @@ def main() -> None:
 
         cfg = config_lib.load(
             REPO / "configs/models/qwen3-30b-a3b.yml",
-            ["model.param_dtype=bfloat16", f"sharding.preset={args.aot_preset}"],
+            ["model.param_dtype=bfloat16", f"sharding.preset={args.aot_preset}", *args.aot_set],
         )
         r = compile_decode_step(cfg, topology, batch=args.aot_batch, cache_len=args.aot_cache)
         print(json.dumps({"aot": r}), flush=True)

@@ -6,11 +6,11 @@ Legend: T tokens, K experts per token, E experts, D emb_dim, F moe_intermediate_
 (`[gate | up]` on the last axis), so a step reads the input once for both (the training layer's
 `kernels.fuse_gate_up` concatenates them inside every step instead). Then per step:
 
-- `gathered` (decode-shaped: T * K rows at most E / 8, e.g. one token per row of a batch of
-  one or two at Qwen3-30B-A3B's E = 128, K = 8; `GATHER_BELOW`): read only the routed
-  experts' weights, w_gate_up[ids] [T, K, D, 2F] and w_down[ids] [T, K, F, D], and contract
-  them with each token: the step touches K of E experts per token, not all E (for
-  Qwen3-30B-A3B, 8 of 128);
+- `gathered` (decode-shaped: at most E (token, expert) rows, T * K <= E, e.g. a batch of up to
+  16 rows at Qwen3-30B-A3B's E = 128, K = 8; `GATHER_BELOW`): a loop over the T * K rows, each
+  reading only its expert's slabs w_gate_up[e] [D, 2F] and w_down[e] [F, D]: the step touches
+  K of E experts per token (for Qwen3-30B-A3B, 8 of 128), at most E slabs in all, where the
+  grouped matmuls read every expert;
 - `grouped` (prefill, many tokens): sort the T * K assignments by expert, one grouped matmul
   against w_gate_up, SwiGLU on its two halves, one grouped matmul against w_down.
 
@@ -29,10 +29,11 @@ from moetext.models.layers.rowdot import dot_rows
 from moetext.models.moe import dispatch as dsp
 from moetext.models.moe.experts import Experts
 
-# The gathered path runs while T * K (token, expert) rows are fewer than this; None: E // 8 + 1.
-# Gathering copies each row's expert weights before the contraction, so it only pays off well
-# below E rows: on CPU at the Qwen3-30B-A3B shape (E = 128) a decode step with 8 rows was 1.9x
-# faster gathered than grouped, one with 64 rows 1.4x slower (docs/performance.md, "Decoding").
+# The gathered path runs while T * K (token, expert) rows are fewer than this; None: E + 1, so
+# it never reads more expert slabs than the grouped path's E. Measured (docs/performance.md,
+# "Decoding"): Qwen3-30B-A3B's decode step at batch 8 (64 rows) compiled for v5e:2x4 accesses
+# 5.1 GB per chip gathered vs 100.6 GB grouped (which all-gathers every expert under fsdp), with
+# 0.05 vs 8.3 GB of temporaries; on CPU the two are within noise at 64 rows.
 GATHER_BELOW: int | None = None
 
 
@@ -84,7 +85,7 @@ def gathered(
         y_1D = dot_rows(h_1F, w_down_FD, w_contract=0, dtype=dtype, out_dtype=dtype)
         return jax.lax.dynamic_update_slice_in_dim(y_MD, y_1D, m, axis=0)
 
-    y_MD = jax.lax.fori_loop(0, t * k, pair, jnp.zeros((t * k, x.shape[1]), dtype))
+    y_MD: jax.Array = jax.lax.fori_loop(0, t * k, pair, jnp.zeros((t * k, x.shape[1]), dtype))
     return y_MD.reshape(t, k, -1)
 
 
@@ -111,7 +112,7 @@ def expert_outputs(
 ) -> jax.Array:
     """y_TKD of a prefused layer: gathered for few rows, grouped for many (static shapes)."""
     w_gu, w_down = experts.w_gate_up[...], experts.w_down[...]
-    below = w_gu.shape[0] // 8 + 1 if GATHER_BELOW is None else GATHER_BELOW
+    below = w_gu.shape[0] + 1 if GATHER_BELOW is None else GATHER_BELOW
     if ids_TK.size < below:
         return gathered(x_TD, ids_TK, w_gu, w_down, dtype)
     return grouped(x_TD, ids_TK, w_gu, w_down, gmm, dtype)
