@@ -28,14 +28,16 @@ if TYPE_CHECKING:
     from moetext.train.loop import Built
 
 GiB = 1024**3
-# HBM per chip, GiB, by the topology name's generation prefix.
+# HBM per JAX device, GiB, by the topology name's generation prefix: a chip's, except tpu7x
+# (Ironwood), whose chip shows JAX two devices (one per TensorCore, `core_on_chip` 0 and 1) with
+# half of its 192 GiB each.
 HBM_GIB: dict[str, float] = {
     "v4": 32,
     "v5e": 16,
     "v5litepod": 16,
     "v5p": 95,
     "v6e": 32,
-    "tpu7x": 192,
+    "tpu7x": 96,
 }
 # A small topology per chip generation (the chip names of kernels/gmm/tiling.py): what the
 # kernel tests and benchmarks compile one chip of.

@@ -37,8 +37,8 @@ def _param_bytes(cfg: config.Config) -> int:
 
 
 # end_to_end/tpu/qwen3-30b-a3b/decode_aot.sh: the step decode.sh runs (bf16 params, fsdp, a
-# 4096-slot cache) at batch 8 fits v5e:2x4 (15.22 of 16 GiB per chip) and v6e:2x2 (29.52 of 32).
-# 1-2.5 min per topology on 2 shared CPU cores (measured: compile 58-80 s, 145 s under load).
+# 4096-slot cache) at batch 8 fits v5e:2x4 (7.54 of 16 GiB per chip) and v6e:2x2 (15.01 of 32).
+# ~15-20 s per topology on 2 shared CPU cores (compile 15-16 s measured under load).
 @pytest.mark.tpu_aot
 @pytest.mark.parametrize("topology, chips", [("v5e:2x4", 8), ("v6e:2x2", 4)])
 def test_qwen3_30b_decode_step_fits(topology, chips):

@@ -4,10 +4,9 @@
 # TOPOLOGY (default tpu7x:2x2x1: one tpu7x-8 host, 4 chips = 8 JAX devices). No TPU needed
 # (libtpu topology). Prints one JSON line: memory per device against HBM ("fits"), XLA's FLOPs
 # and bytes accessed, lower and compile times; exits 1 if it does not fit. Measured on tpu7x:2x2x1:
-#   60.14 GiB per device (55.47 arguments + 4.66 temporaries + 0.74 outputs - 0.73 alias);
-#   compile 712 s on 2 shared CPU cores (too slow for CI, which compiles the 30B step).
-# moetext.aot counts tpu7x at 192 GiB per device ("fits" is true at up to 192), but a device is
-# one of the chip's two TensorCores with half of its 192 GiB: 60.14 of 96 GiB.
+#   56.14 of 96 GiB per device (55.47 arguments + 0.67 temporaries + 0.74 outputs - 0.73 alias;
+#   a device is one of the chip's two TensorCores, with half of its 192 GiB);
+#   compile 204 s on 2 shared CPU cores (too slow for CI, which compiles the 30B step).
 # scripts/bench_decode.py --aot compiles only qwen3-30b-a3b, hence moetext.aot directly here.
 # Extra arguments are config overrides (e.g. sharding.preset=fsdp_ep sharding.mesh.expert=8).
 set -euo pipefail
