@@ -45,10 +45,10 @@ TMP_MARKER = ".orbax-checkpoint-tmp"  # orbax's half-written step directories
 
 # Resolved-config fields (dotted, as in overrides) that may differ between a checkpoint and the
 # run resuming it: none changes a parameter's shape or dtype, the optimizer state's structure
-# or the training data stream. Every other field (model.* but remat, moe.* but the loss
-# weights, data.kind/name/tokenizer/seq_len/global_batch_size/seed/shuffle/train_split,
-# train.seed, optim.clip_norm on <-> off, and any field added later) must match: the resumed
-# run would otherwise restore mismatched arrays or silently train on another problem.
+# or the training data stream. Every other field (model.* but remat and loss_chunk_size, moe.*
+# but the loss weights, data.kind/name/tokenizer/seq_len/global_batch_size/seed/shuffle/
+# train_split, train.seed, optim.clip_norm on <-> off, and any field added later) must match:
+# the resumed run would otherwise restore mismatched arrays or silently train on another problem.
 RESUME_SAFE_FIELDS = frozenset(
     {
         # Loop length, logging, evaluation, output.
@@ -74,6 +74,8 @@ RESUME_SAFE_FIELDS = frozenset(
         "moe.z_loss_weight",
         # Activation checkpointing recomputes the same values; params are unchanged.
         "model.remat_policy",
+        # How the loss is computed (fused vocab chunks or full logits), not what it is.
+        "model.loss_chunk_size",
         # Kernels change how the same params are multiplied (fp8 quantizes on the fly; the
         # fused gate/up concatenates at run time), never the params themselves.
         *(

@@ -59,6 +59,9 @@ class ModelConfig:
     """Indices of layers that use the dense MLP even when decoder_sparse_step selects MoE."""
     init_std: float = 0.02
     """Standard deviation of the normal initialiser for weight matrices and embeddings."""
+    loss_chunk_size: int = 2048
+    """Training/eval loss: LM head fused with the cross-entropy over vocab chunks of at most this
+    many rows, never holding the [B*S, V] float32 logits (train/loss.py); 0: full logits."""
 
     def __post_init__(self) -> None:
         _positive(
@@ -71,6 +74,11 @@ class ModelConfig:
             head_dim=self.head_dim,
             decoder_sparse_step=self.decoder_sparse_step,
         )
+        if self.loss_chunk_size < 0:
+            raise ConfigError(
+                f"model.loss_chunk_size must be >= 0 (0: the full-logits loss), got "
+                f"{self.loss_chunk_size}"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"model.num_heads={self.num_heads} is not divisible by model.num_kv_heads="

@@ -7,6 +7,7 @@ layers/ and moe/ are the building blocks families share.
 
 from moetext.models.family import (
     CausalLM,
+    HiddenStatesLM,
     ModelFamily,
     ParamCounts,
     available_families,
@@ -20,6 +21,7 @@ from moetext.models import dense, qwen3_moe  # noqa: E402, F401  isort: skip
 
 __all__ = [
     "CausalLM",
+    "HiddenStatesLM",
     "ModelFamily",
     "ParamCounts",
     "available_families",

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from collections.abc import Callable
-from typing import Any, Protocol, TypedDict
+from typing import Any, Protocol, TypedDict, runtime_checkable
 
 import jax
 from flax import nnx
@@ -54,6 +54,30 @@ class CausalLM(Protocol):
         positions_BS: jax.Array | None = None,
         segment_ids_BS: jax.Array | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]: ...
+
+
+@runtime_checkable
+class HiddenStatesLM(CausalLM, Protocol):
+    """A CausalLM whose training loss may skip the [B, S, V] logits (optional; the trainer falls
+    back to `__call__`'s logits for a model without it, or with loss_chunk_size 0).
+
+    hidden_states returns (x_BSD, aux): `__call__` before its LM head, so the logits are
+    x_BSD @ head_VD().T (x_BSD in the compute dtype, head_VD() [V, D] in any float dtype);
+    loss_chunk_size is the most vocab rows per chunk of the fused loss (train/loss.py), 0 to
+    compute the loss from the logits."""
+
+    @property
+    def loss_chunk_size(self) -> int: ...
+
+    def hidden_states(
+        self,
+        tokens_BS: jax.Array,
+        *,
+        positions_BS: jax.Array | None = None,
+        segment_ids_BS: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]: ...
+
+    def head_VD(self) -> jax.Array: ...
 
 
 Builder = Callable[[ModelConfig, MoEConfig, KernelsConfig, nnx.Rngs], nnx.Module]

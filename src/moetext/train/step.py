@@ -1,7 +1,7 @@
 """The train and eval steps (jitted by moetext.train.loop): loss + grads + update, metrics out.
 
-Legend: B batch, S sequence, V vocab. A batch (moetext.data.batch) is a dict of int32 tokens,
-segment_ids and positions, each [B, S + 1]: inputs are [:, :-1], targets tokens[:, 1:].
+Legend: B batch, S sequence, D emb_dim, V vocab. A batch (moetext.data.batch) is a dict of int32
+tokens, segment_ids and positions, each [B, S + 1]: inputs are [:, :-1], targets tokens[:, 1:].
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from flax import nnx
 from jax.sharding import Sharding
 
 from moetext.data.batch import KEYS, target_mask
+from moetext.models import HiddenStatesLM
+from moetext.train.loss import fused_masked_nll, masked_nll
 from moetext.train.state import TrainState
 
 Batch = dict[str, jax.Array]
@@ -27,32 +29,31 @@ LossAux = tuple[jax.Array, dict[str, jax.Array], jax.Array, jax.Array]
 LossFn = Callable[[Params, Batch], tuple[jax.Array, LossAux]]
 
 
-def masked_nll(
-    logits_BSV: jax.Array, targets_BS: jax.Array, mask_BS: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """(sum of the counted targets' NLL, their number), both f32, with an f32 log-softmax."""
-    logp_BSV = jax.nn.log_softmax(logits_BSV.astype(jnp.float32), axis=-1)
-    nll_BS = -jnp.take_along_axis(logp_BSV, targets_BS[..., None], axis=-1)[..., 0]
-    mask_BS = mask_BS.astype(jnp.float32)
-    return jnp.sum(nll_BS * mask_BS), jnp.sum(mask_BS)
-
-
 def make_loss_fn(graphdef: nnx.GraphDef[Any], rest: nnx.State[Any, Any]) -> LossFn:
     """loss_fn(params, batch) -> (ce + moe_loss, (ce, aux, nll_sum, count)).
 
     ce is the mean NLL over the counted targets: not padding, and in the same segment as their
-    input token (a document's first token is not predicted from the previous document).
+    input token (a document's first token is not predicted from the previous document). A model
+    with hidden states (models.HiddenStatesLM) and loss_chunk_size > 0 gets the fused,
+    vocab-chunked LM head + cross-entropy (train/loss.py); any other the full logits.
     """
 
     def loss_fn(params: Params, batch: Batch) -> tuple[jax.Array, LossAux]:
         model = nnx.merge(graphdef, params, rest)
         tokens_BS1, seg_BS1 = batch["tokens"], batch["segment_ids"]
-        logits_BSV, aux = model(
-            tokens_BS1[:, :-1],
-            positions_BS=batch["positions"][:, :-1],
-            segment_ids_BS=seg_BS1[:, :-1],
-        )
-        nll_sum, count = masked_nll(logits_BSV, tokens_BS1[:, 1:], target_mask(batch))
+        inputs = {
+            "positions_BS": batch["positions"][:, :-1],
+            "segment_ids_BS": seg_BS1[:, :-1],
+        }
+        targets_BS, mask_BS = tokens_BS1[:, 1:], target_mask(batch)
+        if isinstance(model, HiddenStatesLM) and model.loss_chunk_size > 0:
+            h_BSD, aux = model.hidden_states(tokens_BS1[:, :-1], **inputs)
+            nll_sum, count = fused_masked_nll(
+                h_BSD, model.head_VD(), targets_BS, mask_BS, chunk_size=model.loss_chunk_size
+            )
+        else:
+            logits_BSV, aux = model(tokens_BS1[:, :-1], **inputs)
+            nll_sum, count = masked_nll(logits_BSV, targets_BS, mask_BS)
         ce = nll_sum / jnp.maximum(count, 1.0)
         return ce + aux["moe_loss"], (ce, aux, nll_sum, count)
 

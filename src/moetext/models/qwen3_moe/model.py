@@ -164,7 +164,8 @@ def _layer_step(graphdef: nnx.GraphDef[DecoderLayer], policy: str, *, in_scan: b
 
 
 class Decoder(nnx.Module):
-    """tokens_BS -> (logits_BSV float32, aux).
+    """tokens_BS -> (logits_BSV float32, aux); `hidden_states` stops before the LM head (the
+    fused training loss, train/loss.py, takes it with `head_VD()`).
 
     positions_BS (default 0..S-1 in every row) are the RoPE positions. segment_ids_BS (default
     None: one document per row, causal attention only) marks packed documents, 1, 2, ... in row
@@ -234,6 +235,26 @@ class Decoder(nnx.Module):
         positions_BS: jax.Array | None = None,
         segment_ids_BS: jax.Array | None = None,
     ) -> tuple[jax.Array, Aux]:
+        x_BSD, aux = self.hidden_states(
+            tokens_BS, positions_BS=positions_BS, segment_ids_BS=segment_ids_BS
+        )
+        # Logits come out in the compute dtype and the loss upcasts them to f32 (MaxText's
+        # default too): an f32-output bf16 matmul is ~3x slower on CPU for the [T, V] logits.
+        # The training loss skips this einsum unless model.loss_chunk_size = 0 (train/loss.py).
+        logits_BSV = jnp.einsum("bsd,vd->bsv", x_BSD, self.head_VD().astype(self.dtype))
+        logits_BSV = logits_BSV.astype(jnp.float32)
+        logits_BSV = constrain(logits_BSV, ("batch", "length", "vocab"))
+        return logits_BSV, aux
+
+    def hidden_states(
+        self,
+        tokens_BS: jax.Array,
+        *,
+        positions_BS: jax.Array | None = None,
+        segment_ids_BS: jax.Array | None = None,
+    ) -> tuple[jax.Array, Aux]:
+        """`__call__` up to the LM head: (the final norm's output x_BSD in the compute dtype,
+        aux); the logits are x_BSD @ head_VD().T."""
         cfg = self.cfg
         if tokens_BS.ndim != 2 or not jnp.issubdtype(tokens_BS.dtype, jnp.integer):
             raise ValueError(
@@ -252,17 +273,21 @@ class Decoder(nnx.Module):
         x_BSD = jnp.take(self.embed[...], tokens_BS, axis=0).astype(self.dtype)
         x_BSD, aux_sum, loads = self._run_layers(x_BSD, cos_BSH, sin_BSH, segment_ids_BS)
         x_BSD = self.final_norm(x_BSD)
-        head_VD = self.embed[...] if cfg.tie_embeddings else self.lm_head[...]
-        # Logits come out in the compute dtype and the loss upcasts them to f32 (MaxText's
-        # default too): an f32-output bf16 matmul is ~3x slower on CPU for the [T, V] logits.
-        logits_BSV = jnp.einsum("bsd,vd->bsv", x_BSD, head_VD.astype(self.dtype))
-        logits_BSV = logits_BSV.astype(jnp.float32)
-        logits_BSV = constrain(logits_BSV, ("batch", "length", "vocab"))
         n = max(self.num_moe_layers, 1)
         aux = {key: aux_sum[key] / n for key in AUX_KEYS}
         if loads:
             aux[LOAD_KEY] = jnp.concatenate(loads, axis=0)
-        return logits_BSV, aux
+        return x_BSD, aux
+
+    def head_VD(self) -> jax.Array:
+        """The LM head's weight [V, D] in the param dtype (the embedding when tied)."""
+        head_VD: jax.Array = self.embed[...] if self.cfg.tie_embeddings else self.lm_head[...]
+        return head_VD
+
+    @property
+    def loss_chunk_size(self) -> int:
+        """model.loss_chunk_size: vocab rows per chunk of the fused loss; 0 = the logits path."""
+        return self.cfg.loss_chunk_size
 
     def init_cache(self, batch: int, length: int) -> list[KVCache]:
         """Zero KV caches for `batch` rows of `length` slots, one per layer (compute dtype)."""

@@ -1,0 +1,211 @@
+"""The training objective: masked next-token NLL, from full logits or fused with the LM head.
+
+Legend: B batch, S sequence, T tokens (B * S), D emb_dim, V vocab, N vocab chunks, C vocab rows
+per chunk (N * C >= V).
+
+    nll_sum, count = masked_nll(logits_BSV, targets_BS, mask_BS)          # the logits path
+    nll_sum, count = fused_masked_nll(h_BSD, head_VD, targets_BS, mask_BS, chunk_size=2048)
+
+`fused_masked_nll` takes the final hidden states (after the final norm) and the LM head's
+weight instead of the logits, and never holds [T, V]: `lm_head_nll` loops (lax.scan) over N
+vocab chunks of C <= chunk_size rows, keeping per token a running max, the sum of exponentials
+rescaled to it, and the target's logit (float32 statistics). Its custom_vjp keeps only the
+inputs and the logsumexp [T]; the backward loops over the chunks again, recomputes each chunk's
+logits and forms dlogits = (softmax - onehot) * dnll, accumulates dh [T, D] in float32 and
+writes the chunk's rows of dW. So the largest temporaries are [T, C], not the [T, V] float32
+logits and log-softmax (plus their gradient) of the logits path. The price is one more
+[T, D] x [D, V] matmul (the backward recomputes the logits): 4 head matmuls instead of 3.
+
+Numerics: every matmul takes h and the head in the compute dtype (h's dtype; the head is cast
+to it, as the model's own head einsum does) and accumulates and returns float32
+(preferred_element_type); dlogits are cast to the compute dtype for the two backward matmuls,
+as autodiff of the logits path casts them. The logits path instead rounds the logits to the
+compute dtype before its float32 log-softmax (models/qwen3_moe/model.py), so with bfloat16
+compute the two differ by that rounding (the fused path is the more exact one); with float32
+compute they agree to float32 rounding. Compute-dtype outputs (the logits path's numerics)
+made the bench-tiny-moe step 2.5% slower on CPU, where XLA lowers both to the same bf16
+YNNPACK dot and a bf16 output only adds a conversion (docs/performance.md).
+
+Chunk j holds vocab rows j, j + N, j + 2N, ... (w.reshape(C, N, D)[:, j]), not a contiguous
+block: when a sharding preset splits "vocab" over a mesh axis (fsdp_tp), every device keeps its
+contiguous share of the head as its share of each chunk, so the loop never gathers the head
+across that axis; the chunk is constrained to ("vocab", "embed") and its logits to ("batch",
+"vocab"), the layout of the logits path's [B, S, V].
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from moetext.sharding.logical import constrain
+
+F32 = jnp.float32
+
+
+def masked_nll(
+    logits_BSV: jax.Array, targets_BS: jax.Array, mask_BS: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """(sum of the counted targets' NLL, their number), both f32, with an f32 log-softmax."""
+    logp_BSV = jax.nn.log_softmax(logits_BSV.astype(F32), axis=-1)
+    nll_BS = -jnp.take_along_axis(logp_BSV, targets_BS[..., None], axis=-1)[..., 0]
+    mask_BS = mask_BS.astype(F32)
+    return jnp.sum(nll_BS * mask_BS), jnp.sum(mask_BS)
+
+
+def fused_masked_nll(
+    h_BSD: jax.Array,
+    head_VD: jax.Array,
+    targets_BS: jax.Array,
+    mask_BS: jax.Array,
+    *,
+    chunk_size: int,
+) -> tuple[jax.Array, jax.Array]:
+    """masked_nll of the logits h_BSD @ head_VD.T, computed chunk by chunk (`lm_head_nll`).
+
+    h_BSD: the final norm's output in the compute dtype; head_VD: the LM head (any float dtype,
+    cast to h's like the model's head einsum); chunk_size: the most vocab rows per chunk."""
+    b, s, d = h_BSD.shape
+    if head_VD.ndim != 2 or head_VD.shape[1] != d:
+        raise ValueError(f"head {head_VD.shape} must be [V, {d}] for hidden states {h_BSD.shape}")
+    if targets_BS.shape != (b, s) or mask_BS.shape != (b, s):
+        raise ValueError(
+            f"targets {targets_BS.shape} and mask {mask_BS.shape} must be [B, S] = {(b, s)}"
+        )
+    # B * S flattened batch-major: the token axis keeps the batch's sharding.
+    h_TD = constrain(h_BSD.reshape(b * s, d), ("batch", "embed"))
+    nll_T = lm_head_nll(h_TD, head_VD.astype(h_BSD.dtype), targets_BS.reshape(b * s), chunk_size)
+    mask_T = mask_BS.reshape(b * s).astype(F32)
+    return jnp.sum(nll_T * mask_T), jnp.sum(mask_T)
+
+
+def chunking(vocab: int, chunk_size: int) -> tuple[int, int]:
+    """(N, C): N chunks of C <= chunk_size rows covering `vocab`. The fewest chunks that split
+    it evenly when that is at most twice the minimum ceil(vocab / chunk_size) (32000 by 2048:
+    16 x 2000; 151936 by 2048: 128 x 1187), else the minimum, the last row of some chunks padded."""
+    if vocab < 1 or chunk_size < 1:
+        raise ValueError(f"vocab ({vocab}) and chunk_size ({chunk_size}) must be >= 1")
+    least = math.ceil(vocab / chunk_size)
+    for n in range(least, min(2 * least, vocab) + 1):
+        if vocab % n == 0:
+            return n, vocab // n
+    return least, math.ceil(vocab / least)
+
+
+def lm_head_nll(
+    h_TD: jax.Array, w_VD: jax.Array, targets_T: jax.Array, chunk_size: int
+) -> jax.Array:
+    """nll_T float32 = logsumexp(h_TD @ w_VD.T) - the target's logit, without the [T, V]
+    logits: vocab chunks of at most chunk_size rows (module docstring). h and w share the
+    compute dtype; targets_T are int in [0, V) (one outside scores logsumexp alone)."""
+    if h_TD.ndim != 2 or w_VD.ndim != 2 or h_TD.shape[1] != w_VD.shape[1]:
+        raise ValueError(f"lm_head_nll: h {h_TD.shape} and w {w_VD.shape} must be [T, D], [V, D]")
+    if h_TD.dtype != w_VD.dtype:
+        raise ValueError(f"lm_head_nll: h ({h_TD.dtype}) and w ({w_VD.dtype}) must share a dtype")
+    if targets_T.shape != h_TD.shape[:1] or not jnp.issubdtype(targets_T.dtype, jnp.integer):
+        raise ValueError(
+            f"lm_head_nll: targets must be integer [{h_TD.shape[0]}], got "
+            f"{targets_T.dtype}{targets_T.shape}"
+        )
+    nll_T: jax.Array = _nll(chunk_size, h_TD, w_VD, targets_T)
+    return nll_T
+
+
+def _chunked(w_VD: jax.Array, n: int, c: int) -> jax.Array:
+    """w_CND: w_CND[a, j] = w_VD[a * N + j], zero rows past V."""
+    v, d = w_VD.shape
+    if n * c > v:
+        w_VD = jnp.pad(w_VD, ((0, n * c - v), (0, 0)))
+    return w_VD.reshape(c, n, d)
+
+
+def _chunk_logits(
+    h_TD: jax.Array, w_CND: jax.Array, j: jax.Array, vocab: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(w_CD, logits_TC float32, ids_C) of chunk j; padded rows' logits are -inf."""
+    c, n, _ = w_CND.shape
+    w_CD = constrain(lax.dynamic_index_in_dim(w_CND, j, axis=1, keepdims=False), ("vocab", "embed"))
+    logits_TC = lax.dot_general(h_TD, w_CD, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+    logits_TC = constrain(logits_TC, ("batch", "vocab"))
+    ids_C = jnp.arange(c, dtype=jnp.int32) * n + j
+    if n * c > vocab:
+        logits_TC = jnp.where(ids_C < vocab, logits_TC, -jnp.inf)
+    return w_CD, logits_TC, ids_C
+
+
+def _logsumexp_and_target(
+    h_TD: jax.Array, w_VD: jax.Array, targets_T: jax.Array, chunk_size: int
+) -> tuple[jax.Array, jax.Array]:
+    """(lse_T, target logit_T), float32, one vocab chunk at a time."""
+    (t, _), vocab = h_TD.shape, w_VD.shape[0]
+    n, c = chunking(vocab, chunk_size)
+    w_CND = _chunked(w_VD, n, c)
+
+    def body(
+        carry: tuple[jax.Array, jax.Array, jax.Array], j: jax.Array
+    ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], None]:
+        max_T, sum_T, target_T = carry
+        _, logits_TC, ids_C = _chunk_logits(h_TD, w_CND, j, vocab)
+        new_max_T = jnp.maximum(max_T, jnp.max(logits_TC, axis=1))
+        # Every chunk has a valid row, so new_max_T is finite and exp(-inf - new_max) = 0.
+        sum_T = sum_T * jnp.exp(max_T - new_max_T) + jnp.sum(
+            jnp.exp(logits_TC - new_max_T[:, None]), axis=1
+        )
+        hit_TC = ids_C[None, :] == targets_T[:, None]
+        target_T = target_T + jnp.sum(jnp.where(hit_TC, logits_TC, 0.0), axis=1)
+        return (new_max_T, sum_T, target_T), None
+
+    init = (jnp.full((t,), -jnp.inf, F32), jnp.zeros((t,), F32), jnp.zeros((t,), F32))
+    (max_T, sum_T, target_T), _ = lax.scan(body, init, jnp.arange(n, dtype=jnp.int32))
+    return max_T + jnp.log(sum_T), target_T
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _nll(chunk_size: int, h_TD: jax.Array, w_VD: jax.Array, targets_T: jax.Array) -> jax.Array:
+    lse_T, target_T = _logsumexp_and_target(h_TD, w_VD, targets_T, chunk_size)
+    return lse_T - target_T
+
+
+Residuals = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
+
+
+def _nll_fwd(
+    chunk_size: int, h_TD: jax.Array, w_VD: jax.Array, targets_T: jax.Array
+) -> tuple[jax.Array, Residuals]:
+    lse_T, target_T = _logsumexp_and_target(h_TD, w_VD, targets_T, chunk_size)
+    return lse_T - target_T, (h_TD, w_VD, targets_T, lse_T)
+
+
+def _nll_bwd(
+    chunk_size: int, res: Residuals, dnll_T: jax.Array
+) -> tuple[jax.Array, jax.Array, None]:
+    h_TD, w_VD, targets_T, lse_T = res
+    (t, d), vocab = h_TD.shape, w_VD.shape[0]
+    n, c = chunking(vocab, chunk_size)
+    w_CND = _chunked(w_VD, n, c)
+    dnll_T = dnll_T.astype(F32)
+
+    def body(dh_TD: jax.Array, j: jax.Array) -> tuple[jax.Array, jax.Array]:
+        w_CD, logits_TC, ids_C = _chunk_logits(h_TD, w_CND, j, vocab)
+        hit_TC = ids_C[None, :] == targets_T[:, None]
+        dlogits_TC = (jnp.exp(logits_TC - lse_T[:, None]) - hit_TC) * dnll_T[:, None]
+        dlogits_TC = constrain(dlogits_TC.astype(h_TD.dtype), ("batch", "vocab"))
+        dh_TD = dh_TD + lax.dot_general(
+            dlogits_TC, w_CD, (((1,), (0,)), ((), ())), preferred_element_type=F32
+        )
+        dw_CD = lax.dot_general(
+            dlogits_TC, h_TD, (((0,), (0,)), ((), ())), preferred_element_type=F32
+        )
+        return dh_TD, constrain(dw_CD.astype(w_VD.dtype), ("vocab", "embed"))
+
+    dh_TD, dw_NCD = lax.scan(body, jnp.zeros((t, d), F32), jnp.arange(n, dtype=jnp.int32))
+    # Back from chunk-major [N, C, D] to row order a * N + j, then drop the padding.
+    dw_VD = jnp.swapaxes(dw_NCD, 0, 1).reshape(n * c, d)[:vocab]
+    return dh_TD.astype(h_TD.dtype), dw_VD, None
+
+
+_nll.defvjp(_nll_fwd, _nll_bwd)
