@@ -79,6 +79,21 @@ _ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _COMP_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
 _CALL_RE = re.compile(r"\b(body|condition|calls|to_apply|called_computations)=\{?%?([\w.\-]+)")
 _TRIP_RE = re.compile(r'known_trip_count"?\s*[:=]\s*\{\s*"?n"?\s*[:=]\s*"?(\d+)')
+# Replica groups as XLA prints them: over named mesh axes, as an iota list, or explicit.
+_MESH_GROUPS_RE = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_IOTA_GROUPS_RE = re.compile(r"replica_groups=\[[0-9,]*?(\d+)\]<=")
+_LIST_GROUPS_RE = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
+_PARTITIONS_RE = re.compile(r"num_partitions=(\d+)")
+# Bytes each chip sends per result byte, by collective, for ring algorithms over a group of g
+# chips: all-gather (g-1)/g of its result, reduce-scatter g-1 times its (1/g-size) result,
+# all-reduce twice (g-1)/g (a reduce-scatter, then an all-gather). An estimate that compares
+# collective forms (an all-reduce moves twice a reduce-scatter's bytes), not a wire count.
+_SENT_PER_RESULT_BYTE = {
+    "all-gather": lambda g: (g - 1) / g,
+    "reduce-scatter": lambda g: g - 1.0,
+    "all-reduce": lambda g: 2 * (g - 1) / g,
+    "all-to-all": lambda g: (g - 1) / g,
+}
 
 
 class TopologyError(ValueError):
@@ -189,13 +204,35 @@ def _trip_count(while_line: str, body_of: dict[str | None, list[str]]) -> int:
     return consts[0] if len(consts) == 1 else 1
 
 
+def group_size(line: str, partitions: int) -> int:
+    """The size of a collective's replica groups, read from its HLO line (all `partitions`
+    devices when it lists none)."""
+    m = _MESH_GROUPS_RE.search(line)
+    if m:
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", m.group(2)))
+    m = _IOTA_GROUPS_RE.search(line)
+    if m:
+        return int(m.group(1))
+    m = _LIST_GROUPS_RE.search(line)
+    if m:
+        return len([x for x in m.group(1).split(",") if x])
+    return partitions
+
+
 def collectives(hlo_text: str, *, by: str = "dtype") -> dict[tuple[str, str], dict[str, float]]:
-    """(op, element types) -> count and bytes per step; ops inside a while body (the layer
-    scan), or in computations it calls, count once per known trip. by="shape" keys on the
-    result shape instead (e.g. f8e4m3fn[8,2048,768]: which arrays cross the wire)."""
+    """(op, element types) -> count, bytes (of the results) and sent (bytes each chip sends, a
+    ring-algorithm estimate: _SENT_PER_RESULT_BYTE; the result bytes for a permute or ragged
+    all-to-all) per step; ops inside a while body (the layer scan), or in computations it calls,
+    count once per known trip. by="shape" keys on the result shape instead (e.g.
+    f8e4m3fn[8,2048,768]: which arrays cross the wire)."""
     lines = hlo_text.splitlines()
     comp_of_line, times = _call_multipliers(lines)
-    out: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: {"count": 0, "bytes": 0.0})
+    parts = _PARTITIONS_RE.search(hlo_text)
+    partitions = int(parts.group(1)) if parts else 1
+    out: dict[tuple[str, str], dict[str, float]] = defaultdict(
+        lambda: {"count": 0, "bytes": 0.0, "sent": 0.0}
+    )
     for line, comp in zip(lines, comp_of_line, strict=True):
         m = _OP_RE.search(line)
         if not m or "-done(" in line:
@@ -207,8 +244,11 @@ def collectives(hlo_text: str, *, by: str = "dtype") -> dict[tuple[str, str], di
         else:
             key = (m.group("op"), ",".join(sorted(set(dtypes))))
         k = times.get(comp, 1) if comp is not None else 1
+        per_byte = _SENT_PER_RESULT_BYTE.get(m.group("op"))
+        sent = nbytes * (per_byte(group_size(line, partitions)) if per_byte else 1.0)
         out[key]["count"] += k
         out[key]["bytes"] += k * nbytes
+        out[key]["sent"] += k * sent
     return dict(out)
 
 
@@ -315,14 +355,8 @@ def report(step: CompiledStep) -> dict[str, Any]:
         * tokens_per_chip,
         "lower_s": step.lower_s,
         "compile_s": step.compile_s,
-        "collectives": [
-            {"op": op, "dtypes": dt, "count": v["count"], "bytes": v["bytes"]}
-            for (op, dt), v in sorted(coll.items())
-        ],
-        "collectives_by_shape": [
-            {"op": op, "shapes": sh, "count": v["count"], "bytes": v["bytes"]}
-            for (op, sh), v in by_shape
-        ],
+        "collectives": [{"op": op, "dtypes": dt, **v} for (op, dt), v in sorted(coll.items())],
+        "collectives_by_shape": [{"op": op, "shapes": sh, **v} for (op, sh), v in by_shape],
     }
 
 
@@ -345,13 +379,20 @@ def format_report(r: dict[str, Any]) -> str:
         f"  {'total':<12}{g(r['total_bytes'])} of {g(r['hbm_bytes']).strip()} HBM: {verdict}",
         f"FLOPs per chip per step: model {r['model_flops_per_chip']:.4g} (6N + attention); "
         f"XLA cost analysis {r['xla_flops_per_chip']:.4g} (scan body counted once)",
-        "collectives per step (ops in the layer scan counted once per layer):",
+        "collectives per step (ops in the layer scan counted once per layer; results, and the "
+        "bytes each chip sends by a ring estimate):",
     ]
     for c in r["collectives"]:
-        lines.append(f"  {c['op']:<20}{c['dtypes']:<12}{c['count']:>6} x  {g(c['bytes'])} total")
+        lines.append(
+            f"  {c['op']:<20}{c['dtypes']:<12}{c['count']:>6} x  {g(c['bytes'])} total, "
+            f"{g(c['sent']).strip()} sent"
+        )
     lines.append("largest collectives by result shape:")
     for c in r["collectives_by_shape"][:8]:
-        lines.append(f"  {c['op']:<20}{c['shapes']:<32}{c['count']:>6} x  {g(c['bytes'])} total")
+        lines.append(
+            f"  {c['op']:<20}{c['shapes']:<32}{c['count']:>6} x  {g(c['bytes'])} total, "
+            f"{g(c['sent']).strip()} sent"
+        )
     return "\n".join(lines)
 
 

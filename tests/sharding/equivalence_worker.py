@@ -21,6 +21,7 @@ import numpy as np
 
 from moetext import config
 from moetext import data as data_lib
+from moetext.kernels.gmm import gather
 from moetext.train import loop
 from moetext.train.step import make_loss_fn, make_train_step
 
@@ -44,6 +45,11 @@ SETTINGS = {
     "fsdp_tp": ["sharding.preset=fsdp_tp", "sharding.mesh.tensor=2", "sharding.dcn_mesh.data=2"],
     "fsdp_ep": ["sharding.preset=fsdp_ep", "sharding.mesh.expert=4"],
 }
+# The settings again with the expert-weight gradient reduce-scattered in tiles
+# (kernels/gmm/gather.py: reduce_scatter_tiled), forced on the tiny shapes by shrinking the tile
+# budget: 4 tiles of 16 columns (fsdp: along the ungathered F; fsdp_tp: F is split over tensor
+# too, so along a gathered dim, each shard's block in 4 pieces).
+TILED = {"fsdp_tiled": "fsdp", "fsdp_tp_tiled": "fsdp_tp"}
 SPEC_PATHS = {
     "embed": ("embed",),
     "w_q": ("layers", 0, "attn", "w_q"),
@@ -115,6 +121,12 @@ def max_rel(a: Any, b: Any) -> float:
 def main() -> None:
     assert jax.device_count() == 8, jax.devices()
     results = {name: run_setting(name, ov) for name, ov in SETTINGS.items()}
+    saved = gather.GRAD_TILE_BYTES, gather.MIN_TILE_COLS
+    gather.GRAD_TILE_BYTES, gather.MIN_TILE_COLS = 1, 16
+    try:
+        results.update({name: run_setting(name, SETTINGS[of]) for name, of in TILED.items()})
+    finally:
+        gather.GRAD_TILE_BYTES, gather.MIN_TILE_COLS = saved
     ref = results["single"]
     out = {}
     for name, r in results.items():

@@ -24,8 +24,9 @@ def test_meshes_are_what_the_settings_ask(results):
     assert results["fsdp_ep"]["mesh"] == {"data": 1, "fsdp": 2, "expert": 4, "tensor": 1}
 
 
-@pytest.mark.parametrize("name", ["fsdp", "fsdp_tp", "fsdp_ep"])
+@pytest.mark.parametrize("name", ["fsdp", "fsdp_tp", "fsdp_ep", "fsdp_tiled", "fsdp_tp_tiled"])
 def test_sharded_step_matches_single_device(results, name):
+    # *_tiled: the expert-weight gradients reduce-scattered in 4 tiles (equivalence_worker.TILED).
     r = results[name]
     # The tiny config computes in f32; sharding only changes the order of reductions (partial
     # sums per device, then across devices), so results agree to f32 rounding. Measured on

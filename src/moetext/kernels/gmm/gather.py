@@ -11,20 +11,29 @@ The plain path (`gather_weight`) casts the slice to the compute dtype first, so 
 bf16 rather than f32 master weights, and reduce-scatters the gradient in the slice's own dtype
 (f32 master weights get an f32 reduction). This is `Recipe.gathered_gmm`'s default; the
 fp8_blockwise recipe with `qag=True` replaces it with a quantized all-gather (kernels/fp8/qag.py).
+
+`reduce_scatter_tiled` is the memory-lean form of the gradient's reduction: it computes the
+full-size gradient a tile at a time and reduce-scatters each tile before computing the next, so
+no layer holds a full unsharded weight gradient (recipe.NoQuantization uses it).
+
+Collectives run one mesh axis at a time (a tuple of axes is gathered innermost axis first and
+reduce-scattered outermost first, which is the same block order as the joint collective), so a
+mesh that splits one axis of devices into several mesh axes (moetext.sharding.torus) gets one
+collective per mesh axis.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from moetext.kernels.typed_jax import psum_scatter
+from moetext.kernels.typed_jax import finfo, psum_scatter
 
 # ((dim, (mesh axis, ...)), ...): dims of a local slice split over mesh axes, gathered in order.
 Gather = tuple[tuple[int, tuple[str, ...]], ...]
@@ -61,16 +70,27 @@ def gathered_shape(shape: tuple[int, ...], gather: Gather) -> tuple[int, ...]:
     return tuple(full)
 
 
-def all_gather_dims(x: jax.Array, gather: Gather) -> jax.Array:
+def local_shape(shape: tuple[int, ...], gather: Gather) -> tuple[int, ...]:
+    """The local slice's shape of a gathered (full) shape; must run where the axes are bound."""
+    local = list(shape)
     for dim, axes in gather:
-        x = jax.lax.all_gather(x, axes, axis=dim, tiled=True)
+        local[dim] //= math.prod(jax.lax.axis_size(a) for a in axes)
+    return tuple(local)
+
+
+def all_gather_dims(x: jax.Array, gather: Gather) -> jax.Array:
+    """x all-gathered (tiled) along each (dim, axes) in order; a tuple of axes innermost first."""
+    for dim, axes in gather:
+        for axis in reversed(axes):
+            x = jax.lax.all_gather(x, axis, axis=dim, tiled=True)
     return x
 
 
 def psum_scatter_dims(x: jax.Array, gather: Gather) -> jax.Array:
     """The transpose of all_gather_dims: reduce-scatter along the same dims in reverse order."""
     for dim, axes in reversed(gather):
-        x = psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
+        for axis in axes:
+            x = psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
     return x
 
 
@@ -83,10 +103,108 @@ def reduce_scatter_grad(
     return psum_scatter_dims(g.astype(rd), gather).astype(w_dtype)
 
 
+def narrow(w: jax.Array, dtype: DTypeLike) -> jax.Array:
+    """w.astype(dtype); a float cast to a 16-bit float is rounded by reduce_precision first,
+    which changes no value (the cast rounds the same way) but keeps the cast where it is.
+
+    Why: a bare narrowing cast of a scanned layer's weight slice is moved by XLA above the
+    scan's dynamic-slice and then hoisted out of the loop, so the step keeps a bf16 copy of
+    every layer's weights for its whole duration (1.7 GiB per chip for Qwen3-30B-A3B's experts
+    on v5p-64, docs/performance.md). XLA does not move reduce_precision, so each layer casts
+    its own slice when it gathers it.
+    """
+    dtype = jnp.dtype(dtype)
+    floats = jnp.issubdtype(w.dtype, jnp.floating) and jnp.issubdtype(dtype, jnp.floating)
+    if floats and dtype.itemsize == 2 < w.dtype.itemsize:
+        fi = finfo(dtype)
+        w = jax.lax.reduce_precision(w, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+    return w.astype(dtype)
+
+
+# --- the weight gradient, a tile at a time -----------------------------------------------------
+
+# A gathered weight's gradient is computed and reduce-scattered in tiles of at most this many
+# bytes (full size, in the reduction dtype), each at least MIN_TILE_COLS wide along the tiled
+# dim: 30B experts [128, 2048, 768] f32 (768 MiB) go in 3 tiles, 235B's [128, 4096, 1536]
+# (3 GiB) in 6 of 512 MiB (256 columns each).
+GRAD_TILE_BYTES = 256 * 2**20
+MIN_TILE_COLS = 256
+
+
+def grad_tiles(shape: tuple[int, ...], shards: dict[int, int], itemsize: int) -> tuple[int, int]:
+    """(dim, count): how `reduce_scatter_tiled` splits the gradient of a gathered weight of full
+    shape [G, K, N] whose dims are split into shards[dim] slices (absent: 1), reduced in
+    itemsize-byte elements. It tiles dim 2 or 1, an ungathered one if there is one (contiguous
+    column tiles), else the one with more columns per shard; count is the fewest tiles of at
+    most GRAD_TILE_BYTES, each at least MIN_TILE_COLS wide, that divide each shard's columns
+    (the most that do when none is small enough)."""
+    split = {d: shards.get(d, 1) for d in (1, 2)}
+    ungathered = [d for d in (2, 1) if split[d] == 1]
+    dim = ungathered[0] if ungathered else max((2, 1), key=lambda d: shape[d] // split[d])
+    per_shard = shape[dim] // split[dim]
+    full_bytes = math.prod(shape) * itemsize
+    count = 1
+    for c in range(1, per_shard + 1):
+        if per_shard % c or shape[dim] // c < min(MIN_TILE_COLS, shape[dim]):
+            continue
+        count = c
+        if full_bytes // c <= GRAD_TILE_BYTES:
+            break
+    return dim, count
+
+
+def _tile(x: jax.Array, n: int, count: int, t: jax.Array) -> jax.Array:
+    """Columns of x [M, C] viewed as (n shards, count tiles, width): tile t of every shard,
+    [M, n * width]. n = 1 is a contiguous column block."""
+    m, cols = x.shape
+    width = cols // (n * count)
+    view = x.reshape(m, n, count, width)
+    piece: jax.Array = jax.lax.dynamic_index_in_dim(view, t, axis=2, keepdims=False)
+    return piece.reshape(m, n * width)
+
+
+def reduce_scatter_tiled(
+    grad_of: Callable[[jax.Array, jax.Array], jax.Array],
+    a: jax.Array,
+    b: jax.Array,
+    shape: tuple[int, int, int],
+    gather: Gather,
+    reduce_dtype: DTypeLike | None,
+    w_dtype: DTypeLike,
+) -> jax.Array:
+    """reduce_scatter_grad(grad_of(a, b), gather, ...) without the full-size gradient.
+
+    grad_of(a [M, K'], b [M, N']) -> [G, K', N'] is a gathered weight's gradient (a tgmm) for
+    the columns given; `shape` = [G, K, N] is its full size. The gradient is computed and
+    reduce-scattered a tile at a time (`grad_tiles`) in a loop, so at most one full-size tile
+    exists. A tile of a gathered dim takes the same columns of every shard's block (the dim
+    viewed as (shards, tiles, width)), so its reduce-scatter hands each shard a piece of its
+    own slice; the pieces land in order. Each output element is computed exactly as in the
+    untiled gradient.
+    """
+    rd = jnp.dtype(reduce_dtype or w_dtype)
+    shards = {d: math.prod(jax.lax.axis_size(ax) for ax in axes) for d, axes in gather}
+    dim, count = grad_tiles(shape, shards, rd.itemsize)
+    if count == 1:
+        return reduce_scatter_grad(grad_of(a, b), gather, rd, w_dtype)
+    n = shards.get(dim, 1)
+    width = shape[dim] // (n * count)
+    local = local_shape(shape, gather)
+
+    def step(t: jax.Array, acc: jax.Array) -> jax.Array:
+        a_t = _tile(a, n, count, t) if dim == 1 else a
+        b_t = _tile(b, n, count, t) if dim == 2 else b
+        part = psum_scatter_dims(grad_of(a_t, b_t).astype(rd), gather).astype(acc.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(acc, part, t * width, axis=dim)
+
+    out: jax.Array = jax.lax.fori_loop(0, count, step, jnp.zeros(local, w_dtype))
+    return out
+
+
 def gather_weight(
     w: jax.Array, gather: Gather, dtype: DTypeLike, reduce_dtype: DTypeLike | None = None
 ) -> jax.Array:
-    """all_gather_dims(w.astype(dtype)); the gradient is psum_scatter'ed in reduce_dtype
+    """all_gather_dims(narrow(w, dtype)); the gradient is psum_scatter'ed in reduce_dtype
     (default w.dtype) and returned in w.dtype."""
     if not gather:
         return w.astype(dtype)
@@ -103,7 +221,7 @@ def _gather_cast(
     reduce_dtype: jnp.dtype | None,
     w: jax.Array,
 ) -> jax.Array:
-    return all_gather_dims(w.astype(dtype), gather)
+    return all_gather_dims(narrow(w, dtype), gather)
 
 
 def _gather_cast_fwd(

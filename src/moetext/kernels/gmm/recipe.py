@@ -8,6 +8,8 @@ which operands are quantized and how, what the forward keeps for the backward, i
 precision the backward runs. It therefore owns the matmul's autodiff. `NoQuantization` is the
 custom_vjp written once over the backend protocol:
   dlhs = gmm(dout, rhs, transpose_rhs flipped), drhs = tgmm(lhs, dout).
+On a weight slice inside shard_map (`gathered_gmm`) the same backward reduce-scatters drhs a
+tile at a time (gather.reduce_scatter_tiled), so the full-size weight gradient never exists.
 The quantized recipes live in `moetext.kernels.quant` (one file each, one registry line).
 """
 
@@ -23,7 +25,13 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 
 from moetext.kernels.gmm.backend import GmmBackend, TilingArg
-from moetext.kernels.gmm.gather import Gather, gather_weight
+from moetext.kernels.gmm.gather import (
+    Gather,
+    all_gather_dims,
+    gather_weight,
+    narrow,
+    reduce_scatter_tiled,
+)
 
 
 class Recipe(abc.ABC):
@@ -155,6 +163,34 @@ class NoQuantization(Recipe):
         out: jax.Array = _tgmm(
             backend, pet, num_groups, tiling, lhs, rhs, group_sizes, group_offset
         )
+        return out
+
+    def gathered_gmm(
+        self,
+        backend: GmmBackend,
+        lhs: jax.Array,
+        rhs: jax.Array,
+        group_sizes: jax.Array,
+        *,
+        gather: Gather,
+        grad_reduce_dtype: DTypeLike | None,
+        preferred_element_type: DTypeLike,
+        transpose_rhs: bool,
+        group_offset: jax.Array,
+        tiling: TilingArg,
+    ) -> jax.Array:
+        """The default's math (gmm on the all-gathered weights), one custom_vjp over both: the
+        weight gradient is computed and reduce-scattered a tile at a time."""
+        s = _GatheredStatic(
+            backend,
+            jnp.dtype(preferred_element_type),
+            bool(transpose_rhs),
+            tiling,
+            gather,
+            None if grad_reduce_dtype is None else jnp.dtype(grad_reduce_dtype),
+            jnp.dtype(rhs.dtype),
+        )
+        out: jax.Array = _gathered_gmm(s, lhs, rhs, group_sizes, group_offset)
         return out
 
 
@@ -302,3 +338,82 @@ def _tgmm_bwd(
 
 
 _tgmm.defvjp(_tgmm_fwd, _tgmm_bwd)
+
+
+# --- gmm on all-gathered weight slices ---------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _GatheredStatic:
+    be: GmmBackend
+    pet: jnp.dtype
+    transpose_rhs: bool
+    tiling: TilingArg
+    gather: Gather
+    reduce_dtype: jnp.dtype | None  # None: the slice's dtype
+    w_dtype: jnp.dtype  # the slice's dtype (f32 master weights)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gathered_gmm(
+    s: _GatheredStatic,
+    lhs: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    group_offset: jax.Array,
+) -> jax.Array:
+    return _gathered_gmm_fwd(s, lhs, w, group_sizes, group_offset)[0]
+
+
+def _gathered_gmm_fwd(
+    s: _GatheredStatic,
+    lhs: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    group_offset: jax.Array,
+) -> tuple[jax.Array, _Res]:
+    # The slice travels in the compute dtype (bf16 on the wire, not the f32 master weights).
+    full = all_gather_dims(narrow(w, lhs.dtype), s.gather)
+    out = s.be.gmm(
+        lhs,
+        full,
+        group_sizes,
+        preferred_element_type=s.pet,
+        transpose_rhs=s.transpose_rhs,
+        group_offset=group_offset,
+        tiling=s.tiling,
+    )
+    return out, (lhs, full, group_sizes, group_offset)
+
+
+def _gathered_gmm_bwd(s: _GatheredStatic, res: _Res, dout: jax.Array) -> _Grads:
+    lhs, full, group_sizes, group_offset = res
+    dlhs = s.be.gmm(
+        dout,
+        full,
+        group_sizes,
+        preferred_element_type=lhs.dtype,
+        transpose_rhs=not s.transpose_rhs,
+        group_offset=group_offset,
+        tiling=s.tiling,
+    )
+    a, b = (dout, lhs) if s.transpose_rhs else (lhs, dout)
+
+    def drhs(a_cols: jax.Array, b_cols: jax.Array) -> jax.Array:
+        # As _gmm_bwd: the gradient of the gathered weight in its (compute) dtype.
+        return s.be.tgmm(
+            a_cols,
+            b_cols,
+            group_sizes,
+            num_groups=full.shape[0],
+            preferred_element_type=full.dtype,
+            group_offset=group_offset,
+            tiling=s.tiling,
+        )
+
+    g, k, n = full.shape
+    dw = reduce_scatter_tiled(drhs, a, b, (g, k, n), s.gather, s.reduce_dtype, s.w_dtype)
+    return dlhs.astype(lhs.dtype), dw, None, None
+
+
+_gathered_gmm.defvjp(_gathered_gmm_fwd, _gathered_gmm_bwd)

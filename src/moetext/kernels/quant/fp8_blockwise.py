@@ -30,7 +30,7 @@ from moetext.kernels.fp8.qag import quantized_all_gather
 from moetext.kernels.fp8.quantize import DualQuantized, Quantized
 from moetext.kernels.fp8.scaled_kernels import DequantizedKernels
 from moetext.kernels.gmm.backend import GmmBackend, ScaledKernels, TilingArg
-from moetext.kernels.gmm.gather import Gather, reduce_scatter_grad
+from moetext.kernels.gmm.gather import Gather, narrow, reduce_scatter_grad
 from moetext.kernels.gmm.recipe import Recipe
 from moetext.kernels.typed_jax import optimization_barrier
 
@@ -378,7 +378,7 @@ def _qag_gmm_fwd(
     contract = 2 if g.transpose_rhs else 1
     # The slice in the compute dtype, as the plain path gathers it: same FP8 numbers.
     rq = quantized_all_gather(
-        rhs.astype(g.lhs_dtype),
+        narrow(rhs, g.lhs_dtype),  # cast per layer, not hoisted out of the scan (gather.py)
         s.gather,
         axis=None if r.tiled_weights else contract,
         block_size=r.block_size,

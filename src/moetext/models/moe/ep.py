@@ -21,6 +21,11 @@ exchange and no all-to-all; each shard sorts its own t*K rows and runs gmm again
 (each weight slice all-gathered inside gmm along `weight_gather`, as FSDP does for a dense MLP;
 FP8 on the wire under fp8_blockwise's qag).
 
+On a 3D TPU slice the shard_map's mesh is the run's mesh with each weight-gather axis that spans
+three torus dims split in two (`_split`, sharding/torus.py): same devices, same shards, but the
+weights' all-gathers and their gradients' reduce-scatters run per sub-axis, which XLA:TPU keeps
+as real all-gathers / reduce-scatters instead of all-reduces.
+
 Shard p owns experts [p*L, (p+1)*L): the weights are split along E on the exp axes, so their
 dim-0 block p is exactly those experts. Routing and the aux losses stay outside, on the global
 token view, so they equal the single-device values by construction.
@@ -49,7 +54,7 @@ from moetext.kernels import gmm as gmm_lib
 from moetext.kernels.gmm import Gmm
 from moetext.models.moe import dispatch as dsp
 from moetext.models.moe.experts import Experts, MatMul, swiglu_mlp
-from moetext.sharding import logical
+from moetext.sharding import logical, torus
 
 # Logical names of the expert weights (models/moe/experts.py creates them with these).
 W_IN_NAMES = ("exp", "embed", "mlp_moe")  # w_gate, w_up [E, D, F]
@@ -109,7 +114,7 @@ def layout_from_context(num_experts: int) -> EPLayout | None:
         if _size(mesh, token_axes) <= 1:
             return None
         # Experts replicated (up to size-1 axes): per-shard sort, no exchange.
-        return EPLayout(mesh, (), 1, token_axes, w_in, w_out, "none")
+        return _split(EPLayout(mesh, (), 1, token_axes, w_in, w_out, "none"))
     if num_experts % p:
         raise ValueError(
             f"expert parallelism: num_experts={num_experts} is not divisible by the {p} shards "
@@ -119,7 +124,32 @@ def layout_from_context(num_experts: int) -> EPLayout | None:
     # Tokens must be split over the exp axes too (each shard dispatches its own rows); if the
     # rules replicate them there, split them anyway: shard_map slices, nothing is lost.
     token_axes += tuple(a for a in exp_axes if a not in token_axes)
-    return EPLayout(mesh, exp_axes, p, token_axes, w_in, w_out, exchange_for(mesh))
+    return _split(EPLayout(mesh, exp_axes, p, token_axes, w_in, w_out, exchange_for(mesh)))
+
+
+def _split(layout: EPLayout) -> EPLayout:
+    """The layout on a mesh whose weight-gather axes span at most two torus dims each
+    (sharding/torus.py): on a 3D TPU slice the weights' gathers and their gradients'
+    reduce-scatters run per sub-axis and stay real all-gathers / reduce-scatters instead of
+    all-reduces. The same devices hold the same shards; elsewhere the layout is unchanged."""
+    gathered = [
+        a
+        for spec in (layout.w_in_spec, layout.w_out_spec)
+        for _, ax in weight_gather(spec)
+        for a in ax
+    ]
+    mesh, renames = torus.split_for_collectives(
+        layout.mesh, [a for a in gathered if a not in layout.exp_axes]
+    )
+    if not renames:
+        return layout
+    return dataclasses.replace(
+        layout,
+        mesh=mesh,
+        token_axes=torus.rename_axes(layout.token_axes, renames),
+        w_in_spec=torus.rename_spec(layout.w_in_spec, renames),
+        w_out_spec=torus.rename_spec(layout.w_out_spec, renames),
+    )
 
 
 def weight_gather(spec: PartitionSpec) -> gmm_lib.Gather:

@@ -1,0 +1,112 @@
+"""Mesh axes that XLA:TPU can reduce-scatter and all-gather over: at most two torus dims each.
+
+XLA:TPU lowers a reduce-scatter whose device group spans all three dims of a v5p torus
+(v5p:2x2x2 and larger: every FSDP axis over a whole 3D slice) as an all-reduce of the full
+operand plus a dynamic-slice, and on v5p:4x4x4 and larger an all-gather as an all-reduce too.
+An all-reduce moves about twice the bytes of either, and in place of a reduce-scatter it holds
+the full-size operand; a group spanning one or two torus dims keeps the real collective.
+(Compiled with libtpu for v5p:2x2x1/2x2x2/4x4x2/4x4x4/8x4x4, docs/performance.md "Expert-weight
+gradients".)
+
+`split_for_collectives` therefore describes the same devices with each such mesh axis split
+in two, an outer and an inner axis that each span at most two torus dims. A shard_map over
+the split mesh whose collectives run one axis at a time (kernels/gmm/gather.py) gets two real
+reduce-scatters (all-gathers) where the one over the whole axis became an all-reduce. Arrays
+keep their layout: the split axis `a` is the pair (a_outer, a_inner) in the same device order,
+so P("a") and P(("a_outer", "a_inner")) place every shard on the same device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+# A collective's device group may span this many torus dims before XLA:TPU lowers it as an
+# all-reduce.
+MAX_TORUS_DIMS = 2
+
+Renames = dict[str, tuple[str, ...]]
+
+
+def torus_dims(devices: Sequence[object]) -> int:
+    """How many physical torus dims (x, y, z coordinates) vary over `devices`; 0 for devices
+    without coordinates (CPU)."""
+    coords = [getattr(d, "coords", None) for d in devices]
+    if not coords or any(c is None for c in coords):
+        return 0
+    arr = np.asarray(coords)
+    return int(np.sum(arr.min(axis=0) != arr.max(axis=0)))
+
+
+def _lines(devices: np.ndarray, k: int) -> list[list[object]]:
+    """Every 1D run of devices along mesh axis k (the other mesh indices fixed)."""
+    moved = np.moveaxis(devices, k, -1)
+    return [list(row) for row in moved.reshape(-1, moved.shape[-1])]
+
+
+def _inner_size(lines: list[list[object]]) -> int | None:
+    """The largest inner size b (outer n / b) for which every block of b consecutive devices
+    and every stride-b group of each line spans at most MAX_TORUS_DIMS torus dims; None when
+    the whole line already does (no split needed) or no split helps."""
+    n = len(lines[0])
+    if all(torus_dims(line) <= MAX_TORUS_DIMS for line in lines):
+        return None
+    for b in sorted((b for b in range(2, n) if n % b == 0), reverse=True):
+        ok = all(
+            torus_dims(line[i : i + b]) <= MAX_TORUS_DIMS
+            and torus_dims(line[j::b]) <= MAX_TORUS_DIMS
+            for line in lines
+            for i in range(0, n, b)
+            for j in range(b)
+        )
+        if ok:
+            return b
+    return None
+
+
+def split_for_collectives(mesh: Mesh, axes: Iterable[str]) -> tuple[Mesh, Renames]:
+    """(mesh', renames): `mesh` with each of `axes` that spans three torus dims split into
+    (axis_outer, axis_inner) spanning at most two each, same devices in the same order; renames
+    maps each split axis to its pair. Unchanged (and {}) where nothing needs splitting: CPU
+    devices, one- and two-dim slices, axes already within two torus dims."""
+    names, devices = list(mesh.axis_names), mesh.devices
+    renames: Renames = {}
+    for axis in dict.fromkeys(axes):
+        k = names.index(axis)
+        if devices.shape[k] <= 1:
+            continue
+        b = _inner_size(_lines(devices, k))
+        if b is None:
+            continue
+        shape = devices.shape[:k] + (devices.shape[k] // b, b) + devices.shape[k + 1 :]
+        devices = devices.reshape(shape)
+        pair = (f"{axis}_outer", f"{axis}_inner")
+        names[k : k + 1] = list(pair)
+        renames[axis] = pair
+    if not renames:
+        return mesh, {}
+    types = zip(mesh.axis_names, mesh.axis_types, strict=True)
+    axis_types = tuple(t for a, t in types for _ in renames.get(a, (a,)))
+    return Mesh(devices, tuple(names), axis_types=axis_types), renames
+
+
+def rename_axes(axes: Iterable[str], renames: Renames) -> tuple[str, ...]:
+    """Mesh axis names with each split axis replaced by its (outer, inner) pair."""
+    return tuple(n for a in axes for n in renames.get(a, (a,)))
+
+
+def rename_spec(spec: PartitionSpec, renames: Renames) -> PartitionSpec:
+    """A PartitionSpec of the original mesh as the same layout on the split mesh."""
+    if not renames:
+        return spec
+    entries: list[str | tuple[str, ...] | None] = []
+    for entry in spec:
+        if entry is None:
+            entries.append(None)
+            continue
+        axes = rename_axes((entry,) if isinstance(entry, str) else tuple(entry), renames)
+        entries.append(axes[0] if len(axes) == 1 else axes)
+    out: PartitionSpec = PartitionSpec(*entries)  # type: ignore[no-untyped-call]  # jax: PartitionSpec.__new__ unannotated
+    return out

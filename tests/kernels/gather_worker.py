@@ -1,0 +1,140 @@
+"""The 8-device checks of test_gmm_gather.py: `python -m tests.kernels.gather_worker`.
+
+Runs on 8 fake CPU devices (a 2 x 4 mesh, axes a and b; tests/fake_devices.py starts it in a
+fresh interpreter) and prints one line `RESULT <json>`: per weight layout, backend and gradient
+reduction dtype, the relative differences (loss, dlhs, drhs) of gmm on an all-gathered weight
+slice (`rhs_gather`) with the weight gradient reduce-scattered in tiles against the same call
+in one piece, and against gmm on the whole weight (no sharding); plus how many tiles ran.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import moetext  # noqa: F401  (quiets libtpu's TPU probing where there is no TPU)
+
+# isort: split
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from moetext.kernels import gmm as gmm_lib
+from moetext.kernels.gmm import gather
+
+M, K, N, G = 40, 64, 48, 4  # rows per shard, contraction, outputs, groups
+SHARDS = 8
+# name: (PartitionSpec of the weight [G, K, N] (or [G, N, K] with transpose_rhs), Gather,
+# transpose_rhs). The gradient is tiled along an ungathered dim when there is one, else along a
+# gathered one (each shard's block viewed as tiles).
+LAYOUTS: dict[str, tuple[tuple[Any, ...], gmm_lib.Gather, bool]] = {
+    "K_over_b": ((None, "b", None), ((1, ("b",)),), False),
+    "N_over_b": ((None, None, "b"), ((2, ("b",)),), False),
+    "K_over_ab": ((None, ("a", "b"), None), ((1, ("a", "b")),), False),
+    "K_over_a_N_over_b": ((None, "a", "b"), ((1, ("a",)), (2, ("b",))), False),
+    "transposed_N_over_b": ((None, "b", None), ((1, ("b",)),), True),
+}
+
+
+def rel(a: Any, b: Any) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
+
+
+def run(
+    mesh: Mesh,
+    layout: str,
+    backend: str,
+    reduce_dtype: str | None,
+    x: np.ndarray,
+    w: np.ndarray,
+    ids: np.ndarray,
+) -> tuple[float, np.ndarray, np.ndarray]:
+    spec, gather_dims, transpose = LAYOUTS[layout]
+    op = gmm_lib.Gmm(gmm_lib.get_backend(backend), grad_reduce_dtype=reduce_dtype)
+
+    def body(xl: jax.Array, wl: jax.Array, il: jax.Array) -> jax.Array:
+        order = jnp.argsort(il, stable=True)
+        sizes = jnp.bincount(il, length=G).astype(jnp.int32)
+        out = op(xl[order], wl, sizes, transpose_rhs=transpose, rhs_gather=gather_dims)
+        return jax.lax.psum(jnp.sum(out.astype(jnp.float32) ** 2), ("a", "b"))
+
+    f = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P(("a", "b")), P(*spec), P(("a", "b"))),
+        out_specs=P(),
+        check_vma=False,
+    )
+    loss, (gx, gw) = jax.jit(
+        jax.value_and_grad(lambda x, w: f(x, w, jnp.asarray(ids)), argnums=(0, 1))
+    )(jnp.asarray(x), jnp.asarray(w))
+    return float(loss), np.asarray(gx), np.asarray(gw)
+
+
+def unsharded(
+    backend: str, transpose: bool, x: np.ndarray, w: np.ndarray, ids: np.ndarray
+) -> tuple[float, np.ndarray, np.ndarray]:
+    """The same loss with each shard's rows multiplied by the whole weight, no collectives."""
+
+    def loss(x: jax.Array, w: jax.Array) -> jax.Array:
+        total = jnp.zeros((), jnp.float32)
+        for s in range(SHARDS):
+            il = jnp.asarray(ids[s * M : (s + 1) * M])
+            order = jnp.argsort(il, stable=True)
+            sizes = jnp.bincount(il, length=G).astype(jnp.int32)
+            out = gmm_lib.gmm(
+                x[s * M : (s + 1) * M][order], w, sizes, backend=backend, transpose_rhs=transpose
+            )
+            total = total + jnp.sum(out.astype(jnp.float32) ** 2)
+        return total
+
+    value, (gx, gw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(
+        jnp.asarray(x), jnp.asarray(w)
+    )
+    return float(value), np.asarray(gx), np.asarray(gw)
+
+
+def tiles_of(layout: str) -> int:
+    """How many tiles reduce_scatter_tiled runs for the layout at the patched sizes."""
+    spec, gather_dims, transpose = LAYOUTS[layout]
+    shape = (G, N, K) if transpose else (G, K, N)
+    sizes = {"a": 2, "b": 4}
+    shards = {d: int(np.prod([sizes[a] for a in axes])) for d, axes in gather_dims}
+    return gather.grad_tiles(shape, shards, 4)[1]
+
+
+def main() -> None:
+    assert jax.device_count() == SHARDS, jax.devices()
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((SHARDS * M, K)).astype(np.float32)
+    ids = rng.integers(0, G, SHARDS * M).astype(np.int32)
+    ids[:M] = np.where(ids[:M] == 2, 1, ids[:M])  # shard 0 has an empty group
+    out: dict[str, Any] = {"tiled_vs_whole": {}, "tiled_vs_unsharded": {}, "tiles": {}}
+    for layout, (_, _, transpose) in LAYOUTS.items():
+        w = rng.standard_normal((G, N, K) if transpose else (G, K, N)).astype(np.float32)
+        for backend in ("ragged_dot", "blocked"):
+            ref = unsharded(backend, transpose, x, w, ids)
+            for reduce_dtype in (None, "bfloat16"):
+                key = f"{layout}/{backend}/{reduce_dtype or 'param'}"
+                whole = run(mesh, layout, backend, reduce_dtype, x, w, ids)
+                # Tiles of 8 columns (per shard where the tiled dim is gathered), whatever size.
+                saved = gather.GRAD_TILE_BYTES, gather.MIN_TILE_COLS
+                gather.GRAD_TILE_BYTES, gather.MIN_TILE_COLS = 1, 8
+                try:
+                    tiled = run(mesh, layout, backend, reduce_dtype, x, w, ids)
+                    out["tiles"][layout] = tiles_of(layout)
+                finally:
+                    gather.GRAD_TILE_BYTES, gather.MIN_TILE_COLS = saved
+                out["tiled_vs_whole"][key] = [rel(t, u) for t, u in zip(tiled, whole, strict=True)]
+                out["tiled_vs_unsharded"][key] = [
+                    rel(t, u) for t, u in zip(tiled, ref, strict=True)
+                ]
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""moetext.sharding.torus: mesh axes split so that no collective's device group spans three
+torus dims (XLA:TPU lowers such reduce-scatters, and on large slices all-gathers, as all-reduces).
+
+Pure logic on devices that only carry coordinates, then the split of real v5p/v6e topologies'
+meshes (libtpu describes the chips; nothing compiles). The compiled collectives of the train
+step on a split mesh: test_aot.py.
+"""
+
+import itertools
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from moetext.sharding import torus
+
+
+def chips(*shape: int) -> list[SimpleNamespace]:
+    """Devices of an x-fastest torus of the given shape, coordinates only."""
+    return [
+        SimpleNamespace(coords=[x, y, z])
+        for z, y, x in itertools.product(*(range(n) for n in reversed(shape)))
+    ]
+
+
+def test_torus_dims_counts_the_coordinates_that_vary():
+    cube = chips(2, 2, 2)
+    assert torus.torus_dims(cube) == 3
+    assert torus.torus_dims(cube[:4]) == 2  # the z = 0 plane
+    assert torus.torus_dims(cube[::4]) == 1  # x = y = 0, z varies
+    assert torus.torus_dims([SimpleNamespace(id=0), SimpleNamespace(id=1)]) == 0  # CPU: none
+
+
+def test_inner_size_splits_a_3d_line_into_planes_and_lines():
+    assert torus._inner_size([chips(2, 2, 2)]) == 4  # 2 planes of 2 x 2
+    assert torus._inner_size([chips(4, 4, 2)]) == 16  # 2 planes of 4 x 4
+    assert torus._inner_size([chips(2, 2, 1)]) is None  # already within two dims
+    assert torus._inner_size([chips(8, 1, 1)]) is None
+
+
+def test_rename_spec_keeps_the_layout():
+    renames = {"fsdp": ("fsdp_outer", "fsdp_inner")}
+    assert torus.rename_spec(P(None, "fsdp", None), renames) == P(
+        None, ("fsdp_outer", "fsdp_inner"), None
+    )
+    assert torus.rename_spec(P(("data", "fsdp"), "tensor"), renames) == P(
+        ("data", "fsdp_outer", "fsdp_inner"), "tensor"
+    )
+    assert torus.rename_axes(("data", "fsdp", "expert"), renames) == (
+        "data",
+        "fsdp_outer",
+        "fsdp_inner",
+        "expert",
+    )
+    assert torus.rename_spec(P("fsdp"), {}) == P("fsdp")
+
+
+def _fsdp_mesh(topology: str):
+    from moetext import aot
+    from moetext.sharding import load_preset, make_mesh
+
+    devices = aot.tpu_devices(topology)
+    return make_mesh(load_preset("fsdp"), devices)
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize(
+    ("topology", "split"),
+    [
+        ("v5p:2x2x1", None),  # a 2D slice: nothing to split
+        ("v6e:4x4", None),
+        ("v5p:2x2x2", (2, 4)),
+        ("v5p:4x4x2", (4, 8)),
+        ("v5p:8x4x4", (8, 16)),
+    ],
+)
+def test_split_of_real_topologies_keeps_every_shard_on_its_device(topology, split):
+    mesh = _fsdp_mesh(topology)
+    out, renames = torus.split_for_collectives(mesh, ["fsdp"])
+    if split is None:
+        assert out is mesh and renames == {}
+        return
+    assert renames == {"fsdp": ("fsdp_outer", "fsdp_inner")}
+    assert (out.shape["fsdp_outer"], out.shape["fsdp_inner"]) == split
+    np.testing.assert_array_equal(out.devices.reshape(mesh.devices.shape), mesh.devices)
+    lines = torus._lines(out.devices, out.axis_names.index("fsdp_inner"))
+    assert all(torus.torus_dims(line) <= 2 for line in lines)
+    lines = torus._lines(out.devices, out.axis_names.index("fsdp_outer"))
+    assert all(torus.torus_dims(line) <= 2 for line in lines)
