@@ -333,10 +333,11 @@ class Decoder(nnx.Module):
             x_BSD, cache = layer.cached(x_BSD, cos_BSH, sin_BSH, cache, start, mask_BST)
             new_caches.append(cache)
         x_TD = self.final_norm(x_BSD).reshape(b * s, -1)
-        head_VD = self.embed[...] if self.cfg.tie_embeddings else self.lm_head[...]
         # dot_rows: a batch-1 decode step is one row, which XLA:CPU would multiply by a float32
         # copy of the whole head (layers/rowdot.py); the values are __call__'s.
-        logits_TV = dot_rows(x_TD, head_VD, w_contract=1, dtype=self.dtype, out_dtype=jnp.float32)
+        logits_TV = dot_rows(
+            x_TD, self.head_VD(), w_contract=1, dtype=self.dtype, out_dtype=jnp.float32
+        )
         return logits_TV.reshape(b, s, -1), new_caches
 
     def _run_layers(
