@@ -17,6 +17,7 @@ from moetext.config.schema import ModelConfig
 from moetext.models.layers.norms import RMSNorm
 from moetext.models.layers.params import as_dtype, make_param, normal, zeros
 from moetext.models.layers.rope import apply_rope
+from moetext.models.layers.rowdot import dot_rows
 
 # Self-attention over more than this many queries runs a block of queries at a time (see
 # `attend`): the [B, K, G, S, T] f32 scores and their gradient are never whole.
@@ -132,13 +133,28 @@ class Attention(nnx.Module):
         out_BSNH = attend(q_BSNH, k_BSKH, v_BSKH, segment_ids_BS)
         return jnp.einsum("bsnh,nhd->bsd", out_BSNH, self.w_o[...].astype(self.dtype))
 
+    def _project_rows(self, x_BSI: jax.Array, w: jax.Array, contract: int) -> jax.Array:
+        """x_BSI @ w over w's first `contract` axes (the I ones) as a 2-D `dot_rows`, for
+        decoding: a one-token step would otherwise take XLA:CPU's float32 path (rowdot.py)."""
+        b, s = x_BSI.shape[:2]
+        w_IO = w.reshape(int(np.prod(w.shape[:contract])), -1)
+        y = dot_rows(
+            x_BSI.reshape(b * s, -1), w_IO, w_contract=0, dtype=self.dtype, out_dtype=self.dtype
+        )
+        return y.reshape(b, s, *w.shape[contract:])
+
     def _qkv(
-        self, x_BSD: jax.Array, cos_BSH: jax.Array, sin_BSH: jax.Array
+        self, x_BSD: jax.Array, cos_BSH: jax.Array, sin_BSH: jax.Array, rows: bool = False
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         x = x_BSD.astype(self.dtype)
-        q_BSNH = jnp.einsum("bsd,dnh->bsnh", x, self.w_q[...].astype(self.dtype))
-        k_BSKH = jnp.einsum("bsd,dkh->bskh", x, self.w_k[...].astype(self.dtype))
-        v_BSKH = jnp.einsum("bsd,dkh->bskh", x, self.w_v[...].astype(self.dtype))
+        if rows:
+            q_BSNH = self._project_rows(x, self.w_q[...], 1)
+            k_BSKH = self._project_rows(x, self.w_k[...], 1)
+            v_BSKH = self._project_rows(x, self.w_v[...], 1)
+        else:
+            q_BSNH = jnp.einsum("bsd,dnh->bsnh", x, self.w_q[...].astype(self.dtype))
+            k_BSKH = jnp.einsum("bsd,dkh->bskh", x, self.w_k[...].astype(self.dtype))
+            v_BSKH = jnp.einsum("bsd,dkh->bskh", x, self.w_v[...].astype(self.dtype))
         if self.bias:
             q_BSNH = q_BSNH + self.b_q[...].astype(self.dtype)
             k_BSKH = k_BSKH + self.b_k[...].astype(self.dtype)
@@ -159,7 +175,7 @@ class Attention(nnx.Module):
         """Attention of S new tokens written at cache slots start..start+S-1 (the same slots
         for every row) over the cache's T slots, visible ones given by mask_BST. The cache holds
         only the K kv heads (GQA), post-RoPE keys."""
-        q_BSNH, k_BSKH, v_BSKH = self._qkv(x_BSD, cos_BSH, sin_BSH)
+        q_BSNH, k_BSKH, v_BSKH = self._qkv(x_BSD, cos_BSH, sin_BSH, rows=True)
         k_BTKH = jax.lax.dynamic_update_slice(
             cache.k_BTKH, k_BSKH.astype(cache.k_BTKH.dtype), (0, start, 0, 0)
         )
@@ -167,7 +183,8 @@ class Attention(nnx.Module):
             cache.v_BTKH, v_BSKH.astype(cache.v_BTKH.dtype), (0, start, 0, 0)
         )
         out_BSNH = attend(q_BSNH, k_BTKH, v_BTKH, mask_BST=mask_BST)
-        out = jnp.einsum("bsnh,nhd->bsd", out_BSNH, self.w_o[...].astype(self.dtype))
+        b, s, n, h = out_BSNH.shape
+        out = self._project_rows(out_BSNH.reshape(b, s, n * h), self.w_o[...], 2)
         return out, KVCache(k_BTKH, v_BTKH)
 
 
