@@ -61,3 +61,36 @@ def test_mismatched_shapes_are_named():
         dot_rows(x, jnp.zeros((6, 5)), w_contract=0, dtype=jnp.float32, out_dtype=jnp.float32)
     with pytest.raises(ValueError, match="2-D weight"):
         dot_rows(x, jnp.zeros((8, 5, 1)), w_contract=0, dtype=jnp.float32, out_dtype=jnp.float32)
+
+
+def test_a_one_token_attention_step_keeps_its_projections_in_bf16():
+    """Attention.cached projects q/k/v/o through dot_rows: a one-token decode step compiles
+    without a float32 copy of any projection weight ([D, N*H] = [256, 512] and [512, 256],
+    [D, K*H] = [256, 128])."""
+    from flax import nnx
+
+    from moetext.config.schema import ModelConfig
+    from moetext.models.layers.attention import Attention, KVCache
+    from moetext.models.layers.rope import rope_cos_sin
+
+    cfg = ModelConfig(
+        emb_dim=256,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        param_dtype="bfloat16",
+        dtype="bfloat16",
+    )
+    attn = Attention(cfg, rngs=nnx.Rngs(params=0))
+    graphdef, state = nnx.split(attn)
+    cache = KVCache(*(jnp.zeros((1, 8, 2, 64), jnp.bfloat16) for _ in range(2)))
+    cos, sin = rope_cos_sin(jnp.zeros((1, 1), jnp.int32), 64, 10_000.0)
+    mask = jnp.ones((1, 1, 8), bool)
+
+    def step(state, x, cache):
+        return nnx.merge(graphdef, state).cached(x, cos, sin, cache, jnp.int32(3), mask)
+
+    x = jnp.zeros((1, 1, 256), jnp.bfloat16)
+    hlo = jax.jit(step).lower(state, x, cache).compile().as_text()
+    copies = re.findall(r"f32\[(?:256,512|512,256|256,128|256,8,64|8,64,256|256,2,64)\]", hlo)
+    assert not copies, copies
