@@ -348,6 +348,7 @@ def report(step: CompiledStep) -> dict[str, Any]:
         "preset": b.plan.preset.name,
         "global_batch_size": cfg.data.global_batch_size,
         "seq_len": cfg.data.seq_len,
+        "grad_accum_steps": cfg.train.grad_accum_steps,
         "tokens_per_chip": tokens_per_chip,
         **memory_and_cost(compiled, step.topology),
         # Model FLOPs (6N + attention, no remat recompute): what MFU is measured against.
@@ -369,7 +370,8 @@ def format_report(r: dict[str, Any]) -> str:
     lines = [
         f"topology {r['topology']}: {r['chips']} chips, mesh {r['mesh']}, preset {r['preset']}",
         f"batch {r['global_batch_size']} x {r['seq_len']} = {r['tokens_per_chip']:.0f} "
-        f"tokens per chip; lower {r['lower_s']:.1f} s, compile {r['compile_s']:.1f} s",
+        f"tokens per chip{_micro_batches(r)}; lower {r['lower_s']:.1f} s, "
+        f"compile {r['compile_s']:.1f} s",
         "memory per chip:",
     ]
     for key in ("arguments", "temporaries", "outputs", "alias"):
@@ -394,6 +396,11 @@ def format_report(r: dict[str, Any]) -> str:
             f"{g(c['sent']).strip()} sent"
         )
     return "\n".join(lines)
+
+
+def _micro_batches(r: dict[str, Any]) -> str:
+    n = r.get("grad_accum_steps", 1)
+    return f" in {n} micro-batches (train.grad_accum_steps)" if n > 1 else ""
 
 
 def compile_decode_step(

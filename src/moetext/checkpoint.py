@@ -62,6 +62,9 @@ RESUME_SAFE_FIELDS = frozenset(
         "train.skip_nonfinite_steps",
         "train.profile_steps",
         "train.profile_processes",
+        # The same batch's gradient, summed over micro-batches (only the MoE aux losses are
+        # per micro-batch): memory, not the problem, changes.
+        "train.grad_accum_steps",
         *(
             f"checkpoint.{k}"
             for k in ("enabled", "every", "keep", "async_save", "resume", "load_params_from")

@@ -259,9 +259,13 @@ class TrainConfig:
     under run_dir/tensorboard/ (TensorBoard's profile plugin, or Perfetto). None: no trace."""
     profile_processes: tuple[int, ...] = (0,)
     """Process indices that write the profiler trace (each host writes its own)."""
+    grad_accum_steps: int = 1
+    """Split each step's global batch into N micro-batches run one after another inside the
+    step (gradients summed, one optimizer update): the same step with one micro-batch's
+    activations in memory. N must divide data.global_batch_size."""
 
     def __post_init__(self) -> None:
-        _positive("train", log_every=self.log_every)
+        _positive("train", log_every=self.log_every, grad_accum_steps=self.grad_accum_steps)
         if self.steps < 0:
             raise ConfigError(f"train.steps must be >= 0, got {self.steps}")
         if self.skip_nonfinite_steps < 0:

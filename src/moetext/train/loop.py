@@ -110,9 +110,19 @@ def make_plan(cfg: Config, devices: list[jax.Device] | None = None) -> sharding_
 
 
 def jit_train_step(b: Built) -> Any:
-    """The train step with the plan's shardings pinned on both sides (state donated)."""
+    """The train step with the plan's shardings pinned on both sides (state donated); with
+    train.grad_accum_steps > 1 also the gradient accumulator and the micro-batches."""
     skip = b.cfg.train.skip_nonfinite_steps > 0
-    step = make_train_step(b.graphdef, b.rest, b.tx, b.lr_schedule, skip_nonfinite=skip)
+    step = make_train_step(
+        b.graphdef,
+        b.rest,
+        b.tx,
+        b.lr_schedule,
+        skip_nonfinite=skip,
+        grad_accum_steps=b.cfg.train.grad_accum_steps,
+        param_shardings=b.state_shardings.params,
+        batch_sharding=b.batch_sharding,
+    )
     return jax.jit(
         step,
         in_shardings=(b.state_shardings, b.batch_sharding),

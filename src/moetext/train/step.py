@@ -1,7 +1,9 @@
 """The train and eval steps (jitted by moetext.train.loop): loss + grads + update, metrics out.
 
-Legend: B batch, S sequence, D emb_dim, V vocab. A batch (moetext.data.batch) is a dict of int32
-tokens, segment_ids and positions, each [B, S + 1]: inputs are [:, :-1], targets tokens[:, 1:].
+Legend: B batch, S sequence, D emb_dim, V vocab, N micro-batches (train.grad_accum_steps),
+M = B / N rows per micro-batch, X any trailing dims. A batch (moetext.data.batch) is a dict of
+int32 tokens, segment_ids and positions, each [B, S + 1]: inputs are [:, :-1], targets
+tokens[:, 1:].
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Sharding
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from moetext.data.batch import KEYS, target_mask
 from moetext.models import HiddenStatesLM
@@ -27,6 +29,7 @@ Metrics = dict[str, jax.Array]  # scalars, and per-layer arrays such as expert_l
 # loss_fn's auxiliary output: (ce, the model's aux dict, nll_sum, count).
 LossAux = tuple[jax.Array, dict[str, jax.Array], jax.Array, jax.Array]
 LossFn = Callable[[Params, Batch], tuple[jax.Array, LossAux]]
+GradFn = Callable[[Params, Batch], tuple[tuple[jax.Array, LossAux], Params]]
 
 
 def make_loss_fn(graphdef: nnx.GraphDef[Any], rest: nnx.State[Any, Any]) -> LossFn:
@@ -66,19 +69,28 @@ def make_train_step(
     tx: optax.GradientTransformation,
     lr_schedule: optax.Schedule,
     skip_nonfinite: bool = False,
+    grad_accum_steps: int = 1,
+    param_shardings: Any = None,
+    batch_sharding: NamedSharding | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """train_step(state, batch) -> (state after one update, metrics): loss, ce_loss, grad_norm,
     lr (of the step taken) and the model's aux outputs (moe_loss, expert_load, ...).
 
     skip_nonfinite: a step whose loss or grad norm is NaN/Inf keeps the params and optimizer
     state it started from (the step counter still advances) and reports `skipped` = 1 (0 for a
-    finite step; the key exists only with skip_nonfinite)."""
+    finite step; the key exists only with skip_nonfinite).
+    grad_accum_steps: N > 1 computes the gradient over N micro-batches of the batch in a scan
+    (`accumulated_value_and_grad`), then takes one update; param_shardings (a tree like the
+    params) and batch_sharding (the batch's) pin the accumulator and the micro-batches."""
     loss_fn = make_loss_fn(graphdef, rest)
+    grad_fn: GradFn = jax.value_and_grad(loss_fn, has_aux=True)
+    if grad_accum_steps > 1:
+        grad_fn = accumulated_value_and_grad(
+            loss_fn, grad_accum_steps, param_shardings, batch_sharding
+        )
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        (loss, (ce, aux, _, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state.params, batch
-        )
+        (loss, (ce, aux, _, _)), grads = grad_fn(state.params, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         grad_norm = optax.tree.norm(grads)
@@ -102,6 +114,87 @@ def make_train_step(
         return new_state, metrics
 
     return train_step
+
+
+def accumulated_value_and_grad(
+    loss_fn: LossFn,
+    n: int,
+    param_shardings: Any = None,
+    batch_sharding: NamedSharding | None = None,
+) -> GradFn:
+    """jax.value_and_grad(loss_fn, has_aux=True) of the whole batch, computed as a lax.scan
+    over n micro-batches of B / n rows: one micro-batch's activations live at a time.
+
+    Micro-batch i's loss is nll_sum_i / C + moe_loss_i / n, with C the counted targets of the
+    whole batch, so the micro-batch losses sum to the whole batch's CE exactly (micro-batches
+    with more padding weigh less, as their targets do in the unsplit mean) plus the MoE aux
+    losses averaged over micro-batches (each is a per-micro-batch statistic, as in MaxText; not
+    equal to the whole batch's). ce and nll_sum/count are the whole batch's; the model's aux
+    outputs (moe_loss, expert_load, ...) are the mean over micro-batches. Gradients accumulate
+    in float32 (or wider params' dtype) and come back in the params' dtype.
+    """
+
+    def micro_loss(
+        params: Params, micro: Batch, total: jax.Array
+    ) -> tuple[jax.Array, tuple[dict[str, jax.Array], jax.Array]]:
+        _, (_, aux, nll_sum, _) = loss_fn(params, micro)
+        return nll_sum / total + aux["moe_loss"] / n, (aux, nll_sum)
+
+    micro_grad = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def pin(grads: Params) -> Params:
+        if param_shardings is None:
+            return grads
+        # Without it XLA may pick any sharding for the scan's carry (a replicated f32 copy of
+        # every gradient); pinned, it is sharded exactly like the params.
+        pinned: Params = jax.tree.map(jax.lax.with_sharding_constraint, grads, param_shardings)
+        return pinned
+
+    def value_and_grad(params: Params, batch: Batch) -> tuple[tuple[jax.Array, LossAux], Params]:
+        count = jnp.sum(target_mask(batch), dtype=jnp.float32)
+        total = jnp.maximum(count, 1.0)
+        micro = {k: split_micro_batches(v, n, batch_sharding) for k, v in batch.items()}
+
+        def body(acc: Params, mb: Batch) -> tuple[Params, tuple[Any, ...]]:
+            (_, (aux, nll_sum)), grads = micro_grad(params, mb, total)
+            acc = pin(jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads))
+            return acc, (aux, nll_sum)
+
+        zeros = pin(jax.tree.map(lambda p: jnp.zeros(p.shape, _acc_dtype(p)), params))
+        acc, (auxs, nll_sums) = jax.lax.scan(body, zeros, micro)
+        grads = jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
+        aux = {k: jnp.mean(v, axis=0) for k, v in auxs.items()}
+        nll_sum = jnp.sum(nll_sums)
+        ce = nll_sum / total
+        return (ce + aux["moe_loss"], (ce, aux, nll_sum, count)), grads
+
+    return value_and_grad
+
+
+def _acc_dtype(p: jax.Array) -> Any:
+    """float32 for bf16/f32 params (a bf16 sum of N gradients would round each addition)."""
+    return jnp.promote_types(p.dtype, jnp.float32)
+
+
+def split_micro_batches(
+    x_BX: jax.Array, n: int, batch_sharding: NamedSharding | None = None
+) -> jax.Array:
+    """[B, ...] -> [n, B / n, ...], micro-batch i = rows i, n + i, 2n + i, ...
+
+    Strided, not contiguous: each device's contiguous block of rows splits evenly over the
+    micro-batches, so every micro-batch keeps the batch's sharding (over dim 1) and the split
+    moves no data. batch_sharding (the batch's, dim 0 over the batch axes) pins the result."""
+    b = x_BX.shape[0]
+    if b % n:
+        raise ValueError(f"batch of {b} rows does not split into {n} equal micro-batches")
+    x_NMX = jnp.swapaxes(x_BX.reshape(b // n, n, *x_BX.shape[1:]), 0, 1)
+    if batch_sharding is None:
+        return x_NMX
+    # jax: PartitionSpec.__new__ and with_sharding_constraint are unannotated.
+    spec = PartitionSpec(None, *batch_sharding.spec)  # type: ignore[no-untyped-call]
+    sharding = NamedSharding(batch_sharding.mesh, spec)
+    y: jax.Array = jax.lax.with_sharding_constraint(x_NMX, sharding)  # type: ignore[no-untyped-call]
+    return y
 
 
 def make_eval_step(
