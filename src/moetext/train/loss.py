@@ -166,8 +166,7 @@ def _logsumexp_and_target(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _nll(chunk_size: int, h_TD: jax.Array, w_VD: jax.Array, targets_T: jax.Array) -> jax.Array:
-    lse_T, target_T = _logsumexp_and_target(h_TD, w_VD, targets_T, chunk_size)
-    return lse_T - target_T
+    return _nll_fwd(chunk_size, h_TD, w_VD, targets_T)[0]
 
 
 Residuals = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
