@@ -12,6 +12,12 @@ than the absolute ms do.
     python scripts/bench_gmm.py --quick                      # CPU, bf16 + f32, M=2048
     python scripts/bench_gmm.py --backends blocked ragged_dot --out bench.json
     python scripts/bench_gmm.py --tpu-aot [--chips v5p ...]  # TPU compiler estimates (AOT)
+    python scripts/bench_gmm.py --floor                      # memory-traffic floor per G
+
+--floor times, against the same dense fwd+bwd, what any grouped fwd+bwd must do besides its
+FLOPs: produce the [G, D, F] weight gradient (a fresh buffer filled once) and read the
+[G, D, F] weights twice (forward and dlhs). Their sum over the dense time is a lower bound on
+the fwd+bwd ratio on this machine, whatever the kernel.
 """
 
 from __future__ import annotations
@@ -134,6 +140,29 @@ def format_row(r: dict) -> str:
     )
 
 
+def memory_floor(m: int, gs: list[int], dtype, reps: int) -> None:
+    """Prints, per G, the fill + 2 reads floor of a grouped fwd+bwd over the dense fwd+bwd."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((m, D)), dtype)
+    dout = jnp.asarray(rng.standard_normal((m, F)), dtype)
+    dense, dense_args = _fwd_bwd(jnp.dot), (x, x[:D, :F], dout)
+    print(f"M={m} D={D} F={F} {jnp.dtype(dtype).name}; medians of {reps} alternating calls")
+    for g in gs:
+        w = jnp.asarray(rng.standard_normal((g, D, F)), dtype)
+        fill = jax.jit(lambda s, g=g: jnp.full((g, D, F), s, dtype))  # drhs output alone
+        read = jax.jit(lambda w: jnp.sum(w, axis=0, dtype=jnp.float32))  # one weight pass
+        calls = ((dense, dense_args), (fill, (1.0,)), (read, (w,)))
+        for fn, a in calls:
+            jax.block_until_ready(fn(*a))
+        t = [[_once(fn, a) for fn, a in calls] for _ in range(reps)]
+        d, fl, rd = (1e3 * statistics.median(r[i] for r in t) for i in range(3))
+        print(
+            f"G={g:4}: dense fwd+bwd {d:6.1f} ms | fill [G,D,F] {fl:6.1f} ms | "
+            f"read [G,D,F] {rd:6.1f} ms | floor (fill + 2 reads) / dense {(fl + 2 * rd) / d:5.2f}x",
+            flush=True,
+        )
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -157,6 +186,9 @@ def parse_args(argv=None):
     )
     p.add_argument("--quick", action="store_true", help="M=2048 only, 3 reps")
     p.add_argument("--out", type=Path, help="write the rows as JSON here")
+    p.add_argument(
+        "--floor", action="store_true", help="memory-traffic floor per G (module docstring)"
+    )
     p.add_argument(
         "--tpu-aot",
         action="store_true",
@@ -190,6 +222,10 @@ def main(argv=None) -> int:
     if rest:
         print(f"unknown arguments: {rest}", file=sys.stderr)
         return 2
+    if args.floor:
+        for dtype in args.dtypes:
+            memory_floor(min(args.ms), args.gs, jnp.dtype(dtype), max(args.reps, 7))
+        return 0
     available = gmm_lib.available_backends()
     backends = args.backends or [b for b in available if b not in SKIP_BY_DEFAULT]
     unknown = sorted(set(backends) - set(available))
