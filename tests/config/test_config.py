@@ -138,6 +138,13 @@ def test_quantization_settings_that_would_be_ignored_are_errors():
         config.load(TINY, ["kernels.quantization=fp8_blockwise", "moe.dispatch=capacity"])
     cfg = config.load(TINY, ["kernels.quantization=fp8_blockwise", "kernels.recipe.qag=true"])
     assert cfg.kernels.recipe == {"qag": True}
+    with pytest.raises(
+        ConfigError,
+        match=r"kernels.regather_weights=true is implemented for kernels.quantization=none "
+        r"only, got kernels.quantization='fp8_blockwise'",
+    ):
+        config.load(TINY, ["kernels.quantization=fp8_blockwise", "kernels.regather_weights=true"])
+    assert config.load(TINY, ["kernels.regather_weights=true"]).kernels.regather_weights
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,9 @@ Runs on 8 fake CPU devices (a 2 x 4 mesh, axes a and b; tests/fake_devices.py st
 fresh interpreter) and prints one line `RESULT <json>`: per weight layout, backend and gradient
 reduction dtype, the relative differences (loss, dlhs, drhs) of gmm on an all-gathered weight
 slice (`rhs_gather`) with the weight gradient reduce-scattered in tiles against the same call
-in one piece, and against gmm on the whole weight (no sharding); plus how many tiles ran.
+in one piece, and against gmm on the whole weight (no sharding); the call with
+`regather_weights` (gathered again in the backward) against the one keeping the forward's copy;
+plus how many tiles ran.
 """
 
 from __future__ import annotations
@@ -51,9 +53,14 @@ def run(
     x: np.ndarray,
     w: np.ndarray,
     ids: np.ndarray,
+    regather: bool = False,
+    count_gathers: bool = False,
 ) -> tuple[float, np.ndarray, np.ndarray]:
+    """(loss, dlhs, drhs); with count_gathers, (all_gather ops in the gradient's jaxpr, -, -)."""
     spec, gather_dims, transpose = LAYOUTS[layout]
-    op = gmm_lib.Gmm(gmm_lib.get_backend(backend), grad_reduce_dtype=reduce_dtype)
+    op = gmm_lib.Gmm(
+        gmm_lib.get_backend(backend), grad_reduce_dtype=reduce_dtype, regather_weights=regather
+    )
 
     def body(xl: jax.Array, wl: jax.Array, il: jax.Array) -> jax.Array:
         order = jnp.argsort(il, stable=True)
@@ -68,9 +75,11 @@ def run(
         out_specs=P(),
         check_vma=False,
     )
-    loss, (gx, gw) = jax.jit(
-        jax.value_and_grad(lambda x, w: f(x, w, jnp.asarray(ids)), argnums=(0, 1))
-    )(jnp.asarray(x), jnp.asarray(w))
+    grad = jax.value_and_grad(lambda x, w: f(x, w, jnp.asarray(ids)), argnums=(0, 1))
+    if count_gathers:
+        jaxpr = str(jax.make_jaxpr(grad)(jnp.asarray(x), jnp.asarray(w)))
+        return jaxpr.count("all_gather["), np.zeros(0), np.zeros(0)
+    loss, (gx, gw) = jax.jit(grad)(jnp.asarray(x), jnp.asarray(w))
     return float(loss), np.asarray(gx), np.asarray(gw)
 
 
@@ -113,7 +122,12 @@ def main() -> None:
     x = rng.standard_normal((SHARDS * M, K)).astype(np.float32)
     ids = rng.integers(0, G, SHARDS * M).astype(np.int32)
     ids[:M] = np.where(ids[:M] == 2, 1, ids[:M])  # shard 0 has an empty group
-    out: dict[str, Any] = {"tiled_vs_whole": {}, "tiled_vs_unsharded": {}, "tiles": {}}
+    out: dict[str, Any] = {
+        "tiled_vs_whole": {},
+        "tiled_vs_unsharded": {},
+        "regather_vs_whole": {},
+        "tiles": {},
+    }
     for layout, (_, _, transpose) in LAYOUTS.items():
         w = rng.standard_normal((G, N, K) if transpose else (G, K, N)).astype(np.float32)
         for backend in ("ragged_dot", "blocked"):
@@ -121,6 +135,10 @@ def main() -> None:
             for reduce_dtype in (None, "bfloat16"):
                 key = f"{layout}/{backend}/{reduce_dtype or 'param'}"
                 whole = run(mesh, layout, backend, reduce_dtype, x, w, ids)
+                again = run(mesh, layout, backend, reduce_dtype, x, w, ids, regather=True)
+                out["regather_vs_whole"][key] = [
+                    rel(a, u) for a, u in zip(again, whole, strict=True)
+                ]
                 # Tiles of 8 columns (per shard where the tiled dim is gathered), whatever size.
                 saved = gather.GRAD_TILE_BYTES, gather.MIN_TILE_COLS
                 gather.GRAD_TILE_BYTES, gather.MIN_TILE_COLS = 1, 8
@@ -133,6 +151,12 @@ def main() -> None:
                 out["tiled_vs_unsharded"][key] = [
                     rel(t, u) for t, u in zip(tiled, ref, strict=True)
                 ]
+    # How many all-gathers the gradient's program runs, keeping the forward's copy or not.
+    w = rng.standard_normal((G, K, N)).astype(np.float32)
+    out["all_gathers"] = {
+        str(flag): run(mesh, "K_over_b", "blocked", None, x, w, ids, flag, count_gathers=True)[0]
+        for flag in (False, True)
+    }
     print("RESULT " + json.dumps(out), flush=True)
 
 

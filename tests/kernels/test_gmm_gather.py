@@ -1,6 +1,7 @@
 """Sharded expert weights in gmm (kernels/gmm/gather.py): the weight gradient reduce-scattered a
-tile at a time equals the one-piece reduction and the unsharded gradient; the tile plan; the
-narrowing cast that XLA must not hoist out of a layer scan.
+tile at a time equals the one-piece reduction and the unsharded gradient; gathering the weights
+again in the backward (regather_weights) changes nothing; the tile plan; the narrowing cast that
+XLA must not hoist out of a layer scan.
 
 The 8-device part runs in a fresh interpreter (gather_worker.py, 8 fake CPU devices).
 """
@@ -37,6 +38,16 @@ def test_tiled_weight_gradient_is_bitwise_the_one_piece_reduction(result):
     # Each gradient element is the same dot product over the same rows, reduced over the same
     # shards in the same order: measured identical for every layout, backend and reduce dtype.
     for key, diffs in result["tiled_vs_whole"].items():
+        assert diffs == [0.0, 0.0, 0.0], (key, diffs)
+
+
+def test_regathering_in_the_backward_is_bitwise_keeping_the_forward_copy(result):
+    # regather_weights gathers the same slice into the same values and runs the same backward
+    # math on them: identical loss, dlhs and drhs for every layout, backend and reduce dtype.
+    assert len(result["regather_vs_whole"]) == 20
+    # ... and it does gather again: one all-gather in the forward, a second in the backward.
+    assert result["all_gathers"] == {"False": 1, "True": 2}, result["all_gathers"]
+    for key, diffs in result["regather_vs_whole"].items():
         assert diffs == [0.0, 0.0, 0.0], (key, diffs)
 
 
@@ -91,3 +102,28 @@ def test_narrow_rounds_like_the_cast_and_keeps_a_reduce_precision():
     ):
         jaxpr = str(jax.make_jaxpr(lambda w, d=dst: gather.narrow(w, d))(jnp.zeros(4, src)))
         assert "reduce_precision" not in jaxpr, (src, dst)
+
+
+@pytest.mark.parametrize("quantization", ["fp8_blockwise", "fp8_tensorwise"])
+def test_recipes_without_a_regather_refuse_it(quantization):
+    from moetext.kernels import build_gmm
+
+    op = build_gmm("blocked", quantization, regather_weights=True)
+    x, w = jnp.zeros((8, 16)), jnp.zeros((2, 16, 4))
+    sizes = jnp.array([4, 4], jnp.int32)
+    with pytest.raises(
+        ValueError, match=f"regather_weights is not implemented by the '{quantization}'"
+    ):
+        op.recipe.gathered_gmm(
+            op.backend,
+            x,
+            w,
+            sizes,
+            gather=((1, ("fsdp",)),),
+            grad_reduce_dtype=None,
+            preferred_element_type=jnp.float32,
+            transpose_rhs=False,
+            group_offset=jnp.zeros((), jnp.int32),
+            tiling=None,
+            regather=True,
+        )

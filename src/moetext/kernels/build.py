@@ -22,6 +22,7 @@ def build_gmm(
     checked: bool = False,
     grad_reduce_dtype: DTypeLike | None = None,
     fuse_gate_up: bool | Literal["auto"] = "auto",
+    regather_weights: bool = False,
 ) -> Gmm:
     """Gmm(get_backend(backend), make_recipe(quantization, recipe_options), ...).
 
@@ -38,4 +39,5 @@ def build_gmm(
         checked=checked,
         grad_reduce_dtype=None if grad_reduce_dtype is None else jnp.dtype(grad_reduce_dtype).name,
         fuse_gate_up=fuse,
+        regather_weights=regather_weights,
     )

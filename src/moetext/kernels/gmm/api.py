@@ -40,7 +40,9 @@ class Gmm:
     JaxRuntimeError under jit). grad_reduce_dtype: the dtype in which gradients of sharded
     weights (`rhs_gather`) are reduce-scattered; None: the weight slice's own dtype.
     fuse_gate_up: a hint to gated-MLP callers (models/moe/experts.py: swiglu_mlp) to run gate
-    and up as one gmm on [w_gate | w_up].
+    and up as one gmm on [w_gate | w_up]. regather_weights: sharded weights (`rhs_gather`) are
+    all-gathered again in the backward instead of kept from the forward (less memory, one more
+    all-gather per call; recipes other than NoQuantization refuse it with a ValueError).
     """
 
     backend: GmmBackend
@@ -49,6 +51,7 @@ class Gmm:
     checked: bool = False
     grad_reduce_dtype: str | None = None
     fuse_gate_up: bool = False
+    regather_weights: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, GmmBackend):
@@ -133,6 +136,7 @@ class Gmm:
                 sizes,
                 gather=gather,
                 grad_reduce_dtype=reduce_dtype,
+                regather=self.regather_weights,
                 **call,
             )
         else:

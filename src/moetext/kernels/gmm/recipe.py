@@ -32,6 +32,7 @@ from moetext.kernels.gmm.gather import (
     narrow,
     reduce_scatter_tiled,
 )
+from moetext.kernels.typed_jax import optimization_barrier
 
 
 class Recipe(abc.ABC):
@@ -96,9 +97,17 @@ class Recipe(abc.ABC):
         transpose_rhs: bool,
         group_offset: jax.Array,
         tiling: TilingArg,
+        regather: bool = False,
     ) -> jax.Array:
         """gmm on the all-gathered weights; the weight gradient is reduce-scattered back to the
-        slice (in `grad_reduce_dtype`, default the slice's dtype) and returned in its dtype."""
+        slice (in `grad_reduce_dtype`, default the slice's dtype) and returned in its dtype.
+        regather: gather the weights again in the backward instead of keeping the forward's
+        copy (NoQuantization implements it; this default path keeps the copy, so it refuses)."""
+        if regather:
+            raise ValueError(
+                f"regather_weights is not implemented by the {self.name!r} recipe's gathered "
+                f"gmm; it is by quantization 'none'"
+            )
         full = gather_weight(rhs, gather, lhs.dtype, grad_reduce_dtype)
         return self.gmm(
             backend,
@@ -178,9 +187,11 @@ class NoQuantization(Recipe):
         transpose_rhs: bool,
         group_offset: jax.Array,
         tiling: TilingArg,
+        regather: bool = False,
     ) -> jax.Array:
         """The default's math (gmm on the all-gathered weights), one custom_vjp over both: the
-        weight gradient is computed and reduce-scattered a tile at a time."""
+        weight gradient is computed and reduce-scattered a tile at a time. regather: the
+        backward gathers the weights again rather than keeping the forward's gathered copy."""
         s = _GatheredStatic(
             backend,
             jnp.dtype(preferred_element_type),
@@ -189,6 +200,7 @@ class NoQuantization(Recipe):
             gather,
             None if grad_reduce_dtype is None else jnp.dtype(grad_reduce_dtype),
             jnp.dtype(rhs.dtype),
+            bool(regather),
         )
         out: jax.Array = _gathered_gmm(s, lhs, rhs, group_sizes, group_offset)
         return out
@@ -352,6 +364,7 @@ class _GatheredStatic:
     gather: Gather
     reduce_dtype: jnp.dtype | None  # None: the slice's dtype
     w_dtype: jnp.dtype  # the slice's dtype (f32 master weights)
+    regather: bool  # the backward gathers again instead of keeping the forward's copy
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -383,11 +396,21 @@ def _gathered_gmm_fwd(
         group_offset=group_offset,
         tiling=s.tiling,
     )
-    return out, (lhs, full, group_sizes, group_offset)
+    # Keeping `full` holds one gathered weight per gmm from the forward (under remat: the
+    # recomputed forward) to its backward, and XLA starts the next layer's gathers early, so
+    # several are live at once; `regather` keeps only this shard's slice instead.
+    return out, (lhs, w if s.regather else full, group_sizes, group_offset)
 
 
 def _gathered_gmm_bwd(s: _GatheredStatic, res: _Res, dout: jax.Array) -> _Grads:
-    lhs, full, group_sizes, group_offset = res
+    lhs, kept, group_sizes, group_offset = res
+    if s.regather:
+        # The barrier ties the gather to the backward (it needs dout) and keeps XLA from
+        # merging it with the forward's identical gather, which would keep that copy alive.
+        w, dout = optimization_barrier((kept, dout))
+        full = all_gather_dims(narrow(w, lhs.dtype), s.gather)
+    else:
+        full = kept
     dlhs = s.be.gmm(
         dout,
         full,

@@ -179,8 +179,15 @@ class Fp8Blockwise(Recipe):
         transpose_rhs: bool,
         group_offset: jax.Array,
         tiling: TilingArg,
+        regather: bool = False,
     ) -> jax.Array:
-        """QAG when the recipe asks (FP8 on the wire), else the compute-dtype all-gather."""
+        """QAG when the recipe asks (FP8 on the wire), else the compute-dtype all-gather.
+        regather (gathering again in the backward) is not implemented: a ValueError."""
+        if regather:
+            raise ValueError(
+                "regather_weights is not implemented by the 'fp8_blockwise' recipe's gathered "
+                "gmm; it is by quantization 'none'"
+            )
         if not self.qag:
             return super().gathered_gmm(
                 backend,

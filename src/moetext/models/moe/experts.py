@@ -119,6 +119,7 @@ def gmm_from_config(kernels: KernelsConfig) -> Gmm:
             if kernels.grad_reduce_dtype == "param"
             else kernels.grad_reduce_dtype,
             fuse_gate_up=kernels.fuse_gate_up,
+            regather_weights=kernels.regather_weights,
         )
     except ValueError as e:
         raise ConfigError(f"kernels: {e}") from e
