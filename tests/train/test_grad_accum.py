@@ -20,7 +20,12 @@ from moetext import config, train
 from moetext.config import ConfigError
 from moetext.data.batch import from_tokens, target_mask
 from moetext.train import loop
-from moetext.train.step import accumulated_value_and_grad, make_loss_fn, split_micro_batches
+from moetext.train.step import (
+    accumulated_value_and_grad,
+    make_eval_step,
+    make_loss_fn,
+    split_micro_batches,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs/models/tiny-qwen3-moe.yml"
@@ -117,6 +122,25 @@ def test_micro_batches_with_uneven_target_counts_give_the_batch_ce_and_grads():
     assert float(nll4) == pytest.approx(float(nll1), rel=2e-6)
     assert float(l4) == pytest.approx(float(l1), rel=2e-6)
     assert _rel_err(g4, g1) <= 1e-5
+
+
+def test_eval_in_micro_batches_equals_the_unsplit_eval():
+    # Eval splits the batch like the train step (so it fits where a train micro-batch does):
+    # the NLL sum and target count are the whole batch's, moe_loss the micro-batches' mean.
+    cfg = _tiny(["moe.z_loss_weight=0.001"])
+    b = loop.build(cfg, jax.devices()[:1])
+    batch = _batch(padded=True)
+    one = jax.device_get(jax.jit(make_eval_step(b.graphdef, b.rest))(b.state.params, batch))
+    four = jax.device_get(jax.jit(make_eval_step(b.graphdef, b.rest, 4))(b.state.params, batch))
+    assert float(four["eval_tokens"]) == float(one["eval_tokens"]) == 100
+    # Same products, NLL summed per micro-batch first: the bound of the train-step test above.
+    for key in ("eval_nll_sum", "eval_ce_loss"):
+        assert float(four[key]) == pytest.approx(float(one[key]), rel=2e-6), key
+    micro = {k: split_micro_batches(v, 4) for k, v in batch.items()}
+    loss_fn = jax.jit(make_loss_fn(b.graphdef, b.rest))
+    each = [loss_fn(b.state.params, {k: v[i] for k, v in micro.items()}) for i in range(4)]
+    moe = np.mean([float(aux["moe_loss"]) for _, (_, aux, _, _) in each])
+    assert float(four["eval_loss"]) == pytest.approx(float(four["eval_ce_loss"]) + moe, rel=1e-6)
 
 
 def test_moe_aux_losses_are_averaged_over_micro_batches():

@@ -175,7 +175,7 @@ def run(cfg: Config) -> dict[str, Any]:
 
     train_step = jit_train_step(b)
     eval_step = jax.jit(
-        make_eval_step(b.graphdef, b.rest),
+        make_eval_step(b.graphdef, b.rest, cfg.train.grad_accum_steps, b.batch_sharding),
         in_shardings=(b.state_shardings.params, b.batch_sharding),
     )
 

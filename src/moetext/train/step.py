@@ -198,20 +198,41 @@ def split_micro_batches(
 
 
 def make_eval_step(
-    graphdef: nnx.GraphDef[Any], rest: nnx.State[Any, Any]
+    graphdef: nnx.GraphDef[Any],
+    rest: nnx.State[Any, Any],
+    micro_batches: int = 1,
+    batch_sharding: NamedSharding | None = None,
 ) -> Callable[[Params, Batch], Metrics]:
     """eval_step(params, batch): eval_loss (ce + moe_loss) and eval_ce_loss of the batch, and
-    eval_nll_sum / eval_tokens for a token-weighted CE (perplexity) across batches."""
+    eval_nll_sum / eval_tokens for a token-weighted CE (perplexity) across batches.
+
+    micro_batches N > 1 (train.grad_accum_steps) evaluates the batch as a lax.scan over N
+    micro-batches split like the train step's, so eval fits wherever a train micro-batch does:
+    nll_sum and tokens are summed (ce is the whole batch's), moe_loss is the micro-batches'
+    mean, as in the accumulated train step."""
     loss_fn = make_loss_fn(graphdef, rest)
 
-    def eval_step(params: Params, batch: Batch) -> Metrics:
-        loss, (ce, _, nll_sum, count) = loss_fn(params, batch)
+    def metrics(nll_sum: jax.Array, count: jax.Array, moe_loss: jax.Array) -> Metrics:
+        ce = nll_sum / jnp.maximum(count, 1.0)
         return {
-            "eval_loss": loss,
+            "eval_loss": ce + moe_loss,
             "eval_ce_loss": ce,
             "eval_nll_sum": nll_sum,
             "eval_tokens": count,
         }
+
+    def eval_step(params: Params, batch: Batch) -> Metrics:
+        if micro_batches == 1:
+            _, (_, aux, nll_sum, count) = loss_fn(params, batch)
+            return metrics(nll_sum, count, aux["moe_loss"])
+        micro = {k: split_micro_batches(v, micro_batches, batch_sharding) for k, v in batch.items()}
+
+        def body(carry: None, mb: Batch) -> tuple[None, tuple[jax.Array, ...]]:
+            _, (_, aux, nll_sum, count) = loss_fn(params, mb)
+            return carry, (nll_sum, count, aux["moe_loss"])
+
+        _, (nll_sums, counts, moe_losses) = jax.lax.scan(body, None, micro)
+        return metrics(jnp.sum(nll_sums), jnp.sum(counts), jnp.mean(moe_losses))
 
     return eval_step
 
