@@ -162,11 +162,9 @@ MEASURED_GIB = 6.69
 BOUND_GIB = MEASURED_GIB * 1.03
 
 
-@pytest.mark.tpu_aot
-@pytest.mark.slow  # one ~1.5 min compile on a 2-core host
-def test_qwen3_30b_step_on_a_3d_slice_reduce_scatters_expert_gradients():
-    # v5p:2x2x2 (8 chips, a 3D torus: XLA:TPU turns a reduce-scatter over all 8 into an
-    # all-reduce) at the real per-chip load, 1 x 4096 tokens, pure FSDP.
+def _two_layer_30b_step(*overrides: str) -> dict:
+    """aot.report of the 2-layer Qwen3-30B-A3B-shaped step on v5p:2x2x2, fsdp, 1 x 4096 tokens
+    per chip."""
     cfg = config.load(
         REPO / "configs/models/qwen3-30b-a3b.yml",
         [
@@ -175,9 +173,18 @@ def test_qwen3_30b_step_on_a_3d_slice_reduce_scatters_expert_gradients():
             "data.seq_len=4096",
             "kernels.gmm_backend=ragged_dot",
             "sharding.preset=fsdp",
+            *overrides,
         ],
     )
-    r = aot.report(aot.compile_step(cfg, "v5p:2x2x2"))
+    return aot.report(aot.compile_step(cfg, "v5p:2x2x2"))
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.slow  # one ~1.5 min compile on a 2-core host
+def test_qwen3_30b_step_on_a_3d_slice_reduce_scatters_expert_gradients():
+    # v5p:2x2x2 (8 chips, a 3D torus: XLA:TPU turns a reduce-scatter over all 8 into an
+    # all-reduce) at the real per-chip load, 1 x 4096 tokens, pure FSDP.
+    r = _two_layer_30b_step()
     gib = (r["arguments_bytes"] + r["temporaries_bytes"]) / 1024**3
     assert gib <= BOUND_GIB, (gib, BOUND_GIB)
     # Expert-weight gradients are [E = 128, ., .] f32 arrays: never all-reduced (that would hold
@@ -202,18 +209,7 @@ REGATHER_MEASURED_GIB = 6.25
 @pytest.mark.tpu_aot
 @pytest.mark.slow  # one ~1.5 min compile on a 2-core host
 def test_regathering_expert_weights_lowers_the_30b_step_memory():
-    cfg = config.load(
-        REPO / "configs/models/qwen3-30b-a3b.yml",
-        [
-            "model.num_layers=2",
-            "data.global_batch_size=8",
-            "data.seq_len=4096",
-            "kernels.gmm_backend=ragged_dot",
-            "sharding.preset=fsdp",
-            "kernels.regather_weights=true",
-        ],
-    )
-    r = aot.report(aot.compile_step(cfg, "v5p:2x2x2"))
+    r = _two_layer_30b_step("kernels.regather_weights=true")
     gib = (r["arguments_bytes"] + r["temporaries_bytes"]) / 1024**3
     assert gib <= REGATHER_MEASURED_GIB * 1.03 < MEASURED_GIB, gib
     # Three gathers of each expert weight per layer (forward, rematerialised forward, backward)
