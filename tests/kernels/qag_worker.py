@@ -8,7 +8,8 @@ initialises, so tests/fake_devices.py starts it in a fresh interpreter) and prin
   (value, scale, axis);
 - "gmm": per backend and recipe, max relative errors of (loss, dlhs, drhs) of gmm with QAG
   against the same recipe on the weight gathered in bf16 and quantized after (save_rhs="fp8"),
-  and against the default recipe (the input kept for the backward);
+  and against the default recipe (the input kept for the backward); for the blocked backend
+  also the QAG gmm with its weight gradient reduce-scattered in column tiles against in one piece;
 - "plain": rhs_gather without quantization against gmm on the full weight;
 - "hlo": element types of the all-gathers (and reduce-scatters) in the lowered StableHLO;
 - "bf16_reduce": grad_reduce_dtype=bfloat16 against the f32 gradient reduction.
@@ -35,6 +36,7 @@ from moetext.kernels import fp8
 from moetext.kernels import gmm as gmm_lib
 from moetext.kernels.fp8.qag import quantized_all_gather
 from moetext.kernels.gmm import Gmm
+from moetext.kernels.gmm import gather as gather_lib
 from moetext.kernels.gmm.gather import Gather, gather_weight
 from moetext.kernels.quant import Fp8Blockwise
 
@@ -183,7 +185,25 @@ def check_qag_gmm(s: ShardedGmm) -> dict[str, dict[str, list[float]]]:
                     "vs_fp8_saved": [rel(a, b) for a, b in zip(q, ref, strict=True)],
                     "vs_input_saved": [rel(a, b) for a, b in zip(q, inp, strict=True)],
                 }
+                if name == "blocked":
+                    tiled = _in_column_tiles(
+                        lambda rec=rec, t=transpose, w=w: s.grads(
+                            quantized("blocked", True, **rec), transpose=t, w=w
+                        )[0]
+                    )
+                    out[key]["tiled_vs_whole"] = [rel(a, b) for a, b in zip(tiled, q, strict=True)]
     return out
+
+
+def _in_column_tiles(run: Any) -> Any:
+    """run() with the weight gradient reduce-scattered in tiles of 8 columns (12 tiles of N =
+    96), as gather.reduce_scatter_tiled does at full size (tests/kernels/gather_worker.py)."""
+    saved = gather_lib.GRAD_TILE_BYTES, gather_lib.MIN_TILE_COLS
+    gather_lib.GRAD_TILE_BYTES, gather_lib.MIN_TILE_COLS = 1, 8
+    try:
+        return run()
+    finally:
+        gather_lib.GRAD_TILE_BYTES, gather_lib.MIN_TILE_COLS = saved
 
 
 def check_plain(s: ShardedGmm) -> tuple[dict[str, list[float]], dict[str, list[str]]]:

@@ -163,10 +163,16 @@ def _tile(x: jax.Array, n: int, count: int, t: jax.Array) -> jax.Array:
     return piece.reshape(m, n * width)
 
 
+def _tile_cols(x: Any, n: int, count: int, t: jax.Array) -> Any:
+    """_tile on every leaf of x: an array, or a pytree whose leaves all have x's columns as
+    their last axis (an FP8 operand blocked along M: values [M, C], scales [M / bs, C])."""
+    return jax.tree.map(lambda leaf: _tile(leaf, n, count, t), x)
+
+
 def reduce_scatter_tiled(
-    grad_of: Callable[[jax.Array, jax.Array], jax.Array],
-    a: jax.Array,
-    b: jax.Array,
+    grad_of: Callable[[Any, Any], jax.Array],
+    a: Any,
+    b: Any,
     shape: tuple[int, int, int],
     gather: Gather,
     reduce_dtype: DTypeLike | None,
@@ -175,12 +181,13 @@ def reduce_scatter_tiled(
     """reduce_scatter_grad(grad_of(a, b), gather, ...) without the full-size gradient.
 
     grad_of(a [M, K'], b [M, N']) -> [G, K', N'] is a gathered weight's gradient (a tgmm) for
-    the columns given; `shape` = [G, K, N] is its full size. The gradient is computed and
-    reduce-scattered a tile at a time (`grad_tiles`) in a loop, so at most one full-size tile
-    exists. A tile of a gathered dim takes the same columns of every shard's block (the dim
-    viewed as (shards, tiles, width)), so its reduce-scatter hands each shard a piece of its
-    own slice; the pieces land in order. Each output element is computed exactly as in the
-    untiled gradient.
+    the columns given; `shape` = [G, K, N] is its full size. a and b may be pytrees whose
+    leaves all end in the columns (FP8 values and scales blocked along M, kernels/quant). The
+    gradient is computed and reduce-scattered a tile at a time (`grad_tiles`) in a loop, so at
+    most one full-size tile exists. A tile of a gathered dim takes the same columns of every
+    shard's block (the dim viewed as (shards, tiles, width)), so its reduce-scatter hands each
+    shard a piece of its own slice; the pieces land in order. Each output element is computed
+    exactly as in the untiled gradient.
     """
     rd = jnp.dtype(reduce_dtype or w_dtype)
     shards = {d: math.prod(jax.lax.axis_size(ax) for ax in axes) for d, axes in gather}
@@ -192,8 +199,8 @@ def reduce_scatter_tiled(
     local = local_shape(shape, gather)
 
     def step(t: jax.Array, acc: jax.Array) -> jax.Array:
-        a_t = _tile(a, n, count, t) if dim == 1 else a
-        b_t = _tile(b, n, count, t) if dim == 2 else b
+        a_t = _tile_cols(a, n, count, t) if dim == 1 else a
+        b_t = _tile_cols(b, n, count, t) if dim == 2 else b
         part = psum_scatter_dims(grad_of(a_t, b_t).astype(rd), gather).astype(acc.dtype)
         return jax.lax.dynamic_update_slice_in_dim(acc, part, t * width, axis=dim)
 

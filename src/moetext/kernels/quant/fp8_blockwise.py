@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal, NamedTuple
 
 import jax
@@ -30,7 +31,7 @@ from moetext.kernels.fp8.qag import quantized_all_gather
 from moetext.kernels.fp8.quantize import DualQuantized, Quantized
 from moetext.kernels.fp8.scaled_kernels import DequantizedKernels
 from moetext.kernels.gmm.backend import GmmBackend, ScaledKernels, TilingArg
-from moetext.kernels.gmm.gather import Gather, narrow, reduce_scatter_grad
+from moetext.kernels.gmm.gather import Gather, narrow, reduce_scatter_tiled
 from moetext.kernels.gmm.recipe import Recipe
 from moetext.kernels.typed_jax import optimization_barrier
 
@@ -43,8 +44,12 @@ class Fp8Blockwise(Recipe):
 
     block_size: elements per scale block along the contraction axis.
     weight_block: "1x{bs}" (a scale per bs-long run of the contraction axis, per output column;
-      the backward re-quantizes weights along the other axis from the high-precision weight) or
-      "{bs}x{bs}" (a scale per square tile, which serves both orientations).
+      the backward re-quantizes weights along the other axis from the high-precision weight),
+      "{bs}x{bs}" (a scale per square tile, which serves both orientations) or "auto":
+      "{bs}x{bs}" under `qag`, else "1x{bs}". Under QAG the high-precision gathered weight never
+      exists, so 1x{bs} blocks re-block a dequantized copy of the gathered FP8 weight along N
+      for the backward: a transient bf16 copy of every gathered weight, which put the
+      Qwen3-30B-A3B FP8 + QAG step above bf16 (docs/performance.md); square tiles avoid it.
     bwd_quantize: True quantizes the output gradient and runs both backward matmuls in FP8;
       False runs them at the input precision on the dequantized FP8 residuals; "auto" is True
       when the backend has fused scaled kernels (pallas_tpu), else False.
@@ -59,14 +64,16 @@ class Fp8Blockwise(Recipe):
     qag: quantized all-gather. When gmm gets a sharded weight slice (`rhs_gather`, inside
       shard_map), each shard quantizes its slice and the all-gather moves FP8 values plus
       block amaxes instead of compute-dtype weights (kernels/fp8/qag.py); the gradient is
-      reduce-scattered back. The gathered FP8 weight is what the backward keeps. False gathers
-      in the compute dtype and quantizes the gathered copy.
+      computed and reduce-scattered back a column tile at a time (gather.reduce_scatter_tiled,
+      as the bf16 path), so no layer holds a whole gathered weight gradient. The gathered FP8
+      weight is what the backward keeps. False gathers in the compute dtype and quantizes the
+      gathered copy.
     """
 
     name: ClassVar[str] = "fp8_blockwise"
 
     block_size: int = 128
-    weight_block: str = "1x128"
+    weight_block: str = "auto"
     bwd_quantize: bool | Literal["auto"] = "auto"
     fwd_dtype: str = "float8_e4m3fn"
     grad_dtype: str = "float8_e4m3fn"
@@ -78,7 +85,11 @@ class Fp8Blockwise(Recipe):
         bs = self.block_size
         if not isinstance(bs, int) or isinstance(bs, bool) or bs <= 0:
             raise ValueError(f"fp8_blockwise: block_size must be a positive int, got {bs!r}")
-        valid = (f"1x{bs}", f"{bs}x{bs}")
+        if not isinstance(self.qag, bool):
+            raise ValueError(f"fp8_blockwise: qag must be a bool, got {self.qag!r}")
+        valid = (f"1x{bs}", f"{bs}x{bs}", "auto")
+        if self.weight_block == "auto":
+            object.__setattr__(self, "weight_block", f"{bs}x{bs}" if self.qag else f"1x{bs}")
         if self.weight_block not in valid:
             raise ValueError(
                 f"fp8_blockwise: weight_block={self.weight_block!r} is not valid for "
@@ -100,8 +111,6 @@ class Fp8Blockwise(Recipe):
                 f"fp8_blockwise: emulation_dtype must be float32 or bfloat16, got {emu!r}"
             )
         object.__setattr__(self, "emulation_dtype", emu)
-        if not isinstance(self.qag, bool):
-            raise ValueError(f"fp8_blockwise: qag must be a bool, got {self.qag!r}")
         if self.save_rhs not in ("input", "fp8"):
             raise ValueError(
                 f"fp8_blockwise: save_rhs must be 'input' or 'fp8', got {self.save_rhs!r}"
@@ -318,6 +327,16 @@ def _qgmm_fwd(
 
 
 def _qgmm_bwd(s: _GmmStatic, res: _Res, dout: jax.Array) -> tuple[Any, ...]:
+    dlhs, drhs_of, a, b = _bwd_parts(s, res, dout)
+    return dlhs, drhs_of(a, b), None, None
+
+
+def _bwd_parts(
+    s: _GmmStatic, res: _Res, dout: jax.Array
+) -> tuple[jax.Array, Callable[[Any, Any], jax.Array], Any, Any]:
+    """(dlhs, drhs_of, a, b): the lhs gradient, and the weight gradient as drhs_of(a, b) on
+    operands [M, K'] and [M, N'] (columns of a, b give those columns of drhs: QAG's backward
+    computes it a column tile at a time). Quantized operands are blocked along M."""
     lhs_res, rhs_res, group_sizes, group_offset = res
     ops, pet_l, pet_r = s.ops, s.lhs_dtype, s.rhs_dtype
     # Tie the weights to dout so their backward quantization stays in the backward: else XLA
@@ -325,6 +344,8 @@ def _qgmm_bwd(s: _GmmStatic, res: _Res, dout: jax.Array) -> tuple[Any, ...]:
     rhs_res, dout = optimization_barrier((rhs_res, dout))
     num_local = rhs_res.value.shape[0] if isinstance(rhs_res, Quantized) else rhs_res.shape[0]
     common: dict[str, Any] = dict(group_offset=group_offset, tiling=s.tiling)
+    a: Any  # the weight gradient's operands: Quantized (blocked along M) or arrays
+    b: Any
     if ops.bwd_quantize:
         gd = ops.recipe.grad_dtype
         d = DualQuantized(ops.quantize(dout, 1, gd), ops.quantize(dout, 0, gd))
@@ -342,9 +363,12 @@ def _qgmm_bwd(s: _GmmStatic, res: _Res, dout: jax.Array) -> tuple[Any, ...]:
             **common,
         )
         a, b = (d.colwise, lhs_res) if s.transpose_rhs else (lhs_res, d.colwise)
-        drhs = ops.kernels.tgmm(
-            a, b, group_sizes, num_groups=num_local, preferred_element_type=pet_r, **common
-        )
+
+        def drhs_of(a: Any, b: Any) -> jax.Array:
+            return ops.kernels.tgmm(
+                a, b, group_sizes, num_groups=num_local, preferred_element_type=pet_r, **common
+            ).astype(pet_r)
+
     else:
         be = ops.backend
         lhs = lhs_res.dequantize(pet_l)
@@ -358,11 +382,14 @@ def _qgmm_bwd(s: _GmmStatic, res: _Res, dout: jax.Array) -> tuple[Any, ...]:
             transpose_rhs=not s.transpose_rhs,
             **common,
         )
-        hi_a, hi_b = (dout, lhs) if s.transpose_rhs else (lhs, dout)
-        drhs = be.tgmm(
-            hi_a, hi_b, group_sizes, num_groups=num_local, preferred_element_type=pet_r, **common
-        )
-    return dlhs.astype(pet_l), drhs.astype(pet_r), None, None
+        a, b = (dout, lhs) if s.transpose_rhs else (lhs, dout)
+
+        def drhs_of(a: Any, b: Any) -> jax.Array:
+            return be.tgmm(
+                a, b, group_sizes, num_groups=num_local, preferred_element_type=pet_r, **common
+            ).astype(pet_r)
+
+    return dlhs.astype(pet_l), drhs_of, a, b
 
 
 _qgmm.defvjp(_qgmm_fwd, _qgmm_bwd)
@@ -403,15 +430,17 @@ def _qag_gmm_fwd(
 
 def _qag_gmm_bwd(s: _QagStatic, res: _Res, dout: jax.Array) -> tuple[Any, ...]:
     # The gmm backward on the gathered weight (in the compute dtype, as the plain path's
-    # gradient), then each shard keeps the sum over shards of its own slice.
+    # gradient); each shard keeps the sum over shards of its own slice, computed and
+    # reduce-scattered a column tile at a time like recipe.NoQuantization's, so no layer holds
+    # the whole gathered weight gradient (0.75 / 1.5 GiB f32 per Qwen3-30B-A3B layer).
     on_gathered = s.gmm._replace(rhs_dtype=s.gmm.lhs_dtype)
-    dlhs, drhs, _, _ = _qgmm_bwd(on_gathered, res, dout)
-    return (
-        dlhs,
-        reduce_scatter_grad(drhs, s.gather, s.reduce_dtype, s.gmm.rhs_dtype),
-        None,
-        None,
-    )
+    dlhs, drhs_of, a, b = _bwd_parts(on_gathered, res, dout)
+    # A column tile of an FP8 operand keeps its scales only when they are per block of rows.
+    assert all(x.axis == 0 for x in (a, b) if isinstance(x, Quantized))
+    kept = res[1]  # the gathered weight as kept (FP8): drhs has its shape
+    g, k, n = kept.value.shape if isinstance(kept, Quantized) else kept.shape
+    dw = reduce_scatter_tiled(drhs_of, a, b, (g, k, n), s.gather, s.reduce_dtype, s.gmm.rhs_dtype)
+    return dlhs, dw, None, None
 
 
 _qag_gmm.defvjp(_qag_gmm_fwd, _qag_gmm_bwd)
