@@ -7,6 +7,7 @@ step on a split mesh: test_aot.py.
 """
 
 import itertools
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -88,3 +89,51 @@ def test_split_of_real_topologies_keeps_every_shard_on_its_device(topology, spli
     assert all(torus.torus_dims(line) <= 2 for line in lines)
     lines = torus._lines(out.devices, out.axis_names.index("fsdp_outer"))
     assert all(torus.torus_dims(line) <= 2 for line in lines)
+
+
+def _gather_ops(mesh, steps: list[P]) -> list[str]:
+    """The collectives (op and algorithm) of a compiled program that gathers a weight sharded
+    over every fsdp device through each of `steps` in turn, the last P() (replicated)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    fsdp = tuple(a for a in mesh.axis_names if a.startswith("fsdp"))
+
+    def gather(w):
+        for spec in steps:
+            w = jax.lax.with_sharding_constraint(w, NamedSharding(mesh, spec))
+        return w * 2
+
+    # 64 MiB: small all-reduces take a latency-bound algorithm instead.
+    w = jax.ShapeDtypeStruct((mesh.size * 128, 4096), jnp.bfloat16)
+    jitted = jax.jit(gather, in_shardings=NamedSharding(mesh, P(fsdp, None)))
+    text = jitted.lower(w).compile().as_text() or ""
+    ops = re.findall(r"= \S+ (all-gather|all-reduce|reduce-scatter)(?:-start)?\(.*", text)
+    colors = re.findall(r"= \S+ all-reduce(?:-start)?\(.*colors:(\d+)", text)
+    return ops + [f"colors:{c}" for c in colors]
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize(
+    ("topology", "ops"),
+    [
+        ("v5p:4x4x2", ["all-gather"]),  # three dims, one of them 2 long: a real all-gather
+        # Every dim 4 long: XLA:TPU rewrites the gather as an all-reduce of the zero-padded
+        # weight run on six rings at once (one per link direction; its 1D gathers use one).
+        ("v5p:4x4x4", ["all-reduce", "colors:6"]),
+    ],
+)
+def test_gspmd_gathers_over_a_whole_4x4x4_torus_become_all_reduces(topology, ops):
+    # The compiler behaviour that docs/sharding.md ("3D TPU slices") rests on: a libtpu that
+    # changes it should fail here first.
+    assert _gather_ops(_fsdp_mesh(topology), [P()]) == ops
+
+
+@pytest.mark.tpu_aot
+def test_gathering_one_split_axis_at_a_time_keeps_all_gathers():
+    # Sharding over both split axes is not enough: GSPMD gathers over their union in one op
+    # (an all-reduce again). A constraint per axis gives two all-gathers.
+    mesh, _ = torus.split_for_collectives(_fsdp_mesh("v5p:4x4x4"), ["fsdp"])
+    assert _gather_ops(mesh, [P()]) == ["all-reduce", "colors:6"]
+    assert _gather_ops(mesh, [P("fsdp_outer"), P()]) == ["all-gather", "all-gather"]
