@@ -140,13 +140,9 @@ def main() -> None:
                     rel(a, u) for a, u in zip(again, whole, strict=True)
                 ]
                 # Tiles of 8 columns (per shard where the tiled dim is gathered), whatever size.
-                saved = gather.GRAD_TILE_BYTES, gather.MIN_TILE_COLS
-                gather.GRAD_TILE_BYTES, gather.MIN_TILE_COLS = 1, 8
-                try:
+                with gather.grad_tile_limits(1, 8):
                     tiled = run(mesh, layout, backend, reduce_dtype, x, w, ids)
                     out["tiles"][layout] = tiles_of(layout)
-                finally:
-                    gather.GRAD_TILE_BYTES, gather.MIN_TILE_COLS = saved
                 out["tiled_vs_whole"][key] = [rel(t, u) for t, u in zip(tiled, whole, strict=True)]
                 out["tiled_vs_unsharded"][key] = [
                     rel(t, u) for t, u in zip(tiled, ref, strict=True)

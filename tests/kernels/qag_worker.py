@@ -198,12 +198,8 @@ def check_qag_gmm(s: ShardedGmm) -> dict[str, dict[str, list[float]]]:
 def _in_column_tiles(run: Any) -> Any:
     """run() with the weight gradient reduce-scattered in tiles of 8 columns (12 tiles of N =
     96), as gather.reduce_scatter_tiled does at full size (tests/kernels/gather_worker.py)."""
-    saved = gather_lib.GRAD_TILE_BYTES, gather_lib.MIN_TILE_COLS
-    gather_lib.GRAD_TILE_BYTES, gather_lib.MIN_TILE_COLS = 1, 8
-    try:
+    with gather_lib.grad_tile_limits(1, 8):
         return run()
-    finally:
-        gather_lib.GRAD_TILE_BYTES, gather_lib.MIN_TILE_COLS = saved
 
 
 def check_plain(s: ShardedGmm) -> tuple[dict[str, list[float]], dict[str, list[str]]]:

@@ -121,12 +121,8 @@ def max_rel(a: Any, b: Any) -> float:
 def main() -> None:
     assert jax.device_count() == 8, jax.devices()
     results = {name: run_setting(name, ov) for name, ov in SETTINGS.items()}
-    saved = gather.GRAD_TILE_BYTES, gather.MIN_TILE_COLS
-    gather.GRAD_TILE_BYTES, gather.MIN_TILE_COLS = 1, 16
-    try:
+    with gather.grad_tile_limits(1, 16):
         results.update({name: run_setting(name, SETTINGS[of]) for name, of in TILED.items()})
-    finally:
-        gather.GRAD_TILE_BYTES, gather.MIN_TILE_COLS = saved
     ref = results["single"]
     out = {}
     for name, r in results.items():

@@ -24,9 +24,10 @@ collective per mesh axis.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -129,6 +130,19 @@ def narrow(w: jax.Array, dtype: DTypeLike) -> jax.Array:
 # (3 GiB) in 6 of 512 MiB (256 columns each).
 GRAD_TILE_BYTES = 256 * 2**20
 MIN_TILE_COLS = 256
+
+
+@contextlib.contextmanager
+def grad_tile_limits(max_bytes: int, min_cols: int) -> Iterator[None]:
+    """GRAD_TILE_BYTES and MIN_TILE_COLS set for what is traced inside (restored after): small
+    values make small test shapes go through several tiles, as full-size weights do."""
+    global GRAD_TILE_BYTES, MIN_TILE_COLS
+    saved = GRAD_TILE_BYTES, MIN_TILE_COLS
+    GRAD_TILE_BYTES, MIN_TILE_COLS = max_bytes, min_cols
+    try:
+        yield
+    finally:
+        GRAD_TILE_BYTES, MIN_TILE_COLS = saved
 
 
 def grad_tiles(shape: tuple[int, ...], shards: dict[int, int], itemsize: int) -> tuple[int, int]:
