@@ -238,11 +238,17 @@ def collectives(hlo_text: str, *, by: str = "dtype") -> dict[tuple[str, str], di
         if not m or "-done(" in line:
             continue
         nbytes, dtypes = array_bytes(m.group("shape"))
+        op = m.group("op")
+        if op == "all-reduce" and comp is not None and comp.startswith("all-reduce-scatter"):
+            # XLA:TPU's form of some reduce-scatters: an all-reduce and a dynamic-slice fused
+            # into a computation of this name. Named apart; sent is still the all-reduce's
+            # estimate, as the HLO does not say how the fusion runs on the wire.
+            op = "all-reduce-scatter"
         if by == "shape":
             shapes = [f"{dt}[{dims}]" for dt, dims in _ARRAY_RE.findall(m.group("shape"))]
-            key = (m.group("op"), ",".join(shapes))
+            key = (op, ",".join(shapes))
         else:
-            key = (m.group("op"), ",".join(sorted(set(dtypes))))
+            key = (op, ",".join(sorted(set(dtypes))))
         k = times.get(comp, 1) if comp is not None else 1
         per_byte = _SENT_PER_RESULT_BYTE.get(m.group("op"))
         sent = nbytes * (per_byte(group_size(line, partitions)) if per_byte else 1.0)

@@ -28,7 +28,14 @@ HloModule jit_step, num_partitions=4
   %ar-done = f32[4]{0} all-reduce-done(f32[4]{0} %ar-start)
 }
 
+%all-reduce-scatter.clone.1 (input.2: f32[8,4]) -> f32[2,4] {
+  %input.2 = f32[8,4]{1,0} parameter(0)
+  %ar.1 = f32[8,4]{1,0} all-reduce(%input.2), replica_groups={{0,1,2,3}}, to_apply=%add
+  ROOT %ds = f32[2,4]{1,0} dynamic-slice(%ar.1, %i, %z), dynamic_slice_sizes={2,4}
+}
+
 ENTRY %main (a: f32[8]) -> f32[8] {
+  %ars = f32[2,4]{1,0} fusion(f32[8,4]{1,0} %g), kind=kCustom, calls=%all-reduce-scatter.clone.1
   %w = (s32[], bf16[8,16]) while((s32[], bf16[8,16]) %t), condition=%cond.1, body=%body.1, \
 backend_config={"known_trip_count":{"n":"48"}}
   %rs = f32[2,3]{1,0} reduce-scatter(f32[8,3]{1,0} %z), replica_groups=mesh['data'=1,'fsdp'=4] \
@@ -48,7 +55,9 @@ def test_collective_parser_counts_scan_bodies_per_trip():
     assert got[("all-to-all", "bf16")] == {"count": 1, "bytes": 2 * 4 * 2 * 2}
     assert got[("ragged-all-to-all", "bf16")] == {"count": 1, "bytes": 64 * 8 * 2}
     assert got[("all-gather", "f8e4m3fn")] == {"count": 1, "bytes": 128 * 2048 * 768}
-    assert len(got) == 6  # the -done half of an async pair is not counted again
+    # XLA:TPU's fused all-reduce + dynamic-slice form of a reduce-scatter is named apart.
+    assert got[("all-reduce-scatter", "f32")] == {"count": 1, "bytes": 8 * 4 * 4}
+    assert len(got) == 7  # the -done half of an async pair is not counted again
     shapes = aot.collectives(HLO, by="shape")
     assert shapes[("all-gather", "f8e4m3fn[128,2048,768]")]["count"] == 1
     assert shapes[("all-gather", "bf16[32,16]")]["count"] == 48
@@ -64,6 +73,7 @@ def test_sent_bytes_follow_the_ring_estimate_per_group_size():
     assert sent[("reduce-scatter", "f32")] == 2 * 3 * 4 * 3
     assert sent[("all-gather", "f8e4m3fn")] == 128 * 2048 * 768 * 3 / 4
     assert sent[("ragged-all-to-all", "bf16")] == 64 * 8 * 2
+    assert sent[("all-reduce-scatter", "f32")] == 8 * 4 * 4 * 2 * 3 / 4  # as an all-reduce
     assert aot.group_size("x replica_groups=mesh['a'=2,'b'=8,'c'=4] {'a','c'}, y", 64) == 8
 
 
