@@ -92,6 +92,8 @@ _SENT_PER_RESULT_BYTE = {
     "all-gather": lambda g: (g - 1) / g,
     "reduce-scatter": lambda g: g - 1.0,
     "all-reduce": lambda g: 2 * (g - 1) / g,
+    # per byte of the full-size all-reduce inside the fusion: a reduce-scatter of that input
+    "all-reduce-scatter": lambda g: (g - 1) / g,
     "all-to-all": lambda g: (g - 1) / g,
 }
 
@@ -240,9 +242,9 @@ def collectives(hlo_text: str, *, by: str = "dtype") -> dict[tuple[str, str], di
         nbytes, dtypes = array_bytes(m.group("shape"))
         op = m.group("op")
         if op == "all-reduce" and comp is not None and comp.startswith("all-reduce-scatter"):
-            # XLA:TPU's form of some reduce-scatters: an all-reduce and a dynamic-slice fused
-            # into a computation of this name. Named apart; sent is still the all-reduce's
-            # estimate, as the HLO does not say how the fusion runs on the wire.
+            # XLA:TPU's fused form of a reduce-scatter: an all-reduce and a dynamic-slice in a
+            # computation of this name, run by the same emitter as its reduce-scatter ops
+            # ("SingleInputAllReduceScatterFusion", a ring): a reduce-scatter on the wire.
             op = "all-reduce-scatter"
         if by == "shape":
             shapes = [f"{dt}[{dims}]" for dt, dims in _ARRAY_RE.findall(m.group("shape"))]
@@ -250,7 +252,7 @@ def collectives(hlo_text: str, *, by: str = "dtype") -> dict[tuple[str, str], di
         else:
             key = (op, ",".join(sorted(set(dtypes))))
         k = times.get(comp, 1) if comp is not None else 1
-        per_byte = _SENT_PER_RESULT_BYTE.get(m.group("op"))
+        per_byte = _SENT_PER_RESULT_BYTE.get(op)
         sent = nbytes * (per_byte(group_size(line, partitions)) if per_byte else 1.0)
         out[key]["count"] += k
         out[key]["bytes"] += k * nbytes
