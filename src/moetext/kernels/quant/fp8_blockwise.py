@@ -346,6 +346,7 @@ def _bwd_parts(
     common: dict[str, Any] = dict(group_offset=group_offset, tiling=s.tiling)
     a: Any  # the weight gradient's operands: Quantized (blocked along M) or arrays
     b: Any
+    tgmm: Callable[..., jax.Array]
     if ops.bwd_quantize:
         gd = ops.recipe.grad_dtype
         d = DualQuantized(ops.quantize(dout, 1, gd), ops.quantize(dout, 0, gd))
@@ -363,12 +364,7 @@ def _bwd_parts(
             **common,
         )
         a, b = (d.colwise, lhs_res) if s.transpose_rhs else (lhs_res, d.colwise)
-
-        def drhs_of(a: Any, b: Any) -> jax.Array:
-            return ops.kernels.tgmm(
-                a, b, group_sizes, num_groups=num_local, preferred_element_type=pet_r, **common
-            ).astype(pet_r)
-
+        tgmm = ops.kernels.tgmm
     else:
         be = ops.backend
         lhs = lhs_res.dequantize(pet_l)
@@ -383,11 +379,12 @@ def _bwd_parts(
             **common,
         )
         a, b = (dout, lhs) if s.transpose_rhs else (lhs, dout)
+        tgmm = be.tgmm
 
-        def drhs_of(a: Any, b: Any) -> jax.Array:
-            return be.tgmm(
-                a, b, group_sizes, num_groups=num_local, preferred_element_type=pet_r, **common
-            ).astype(pet_r)
+    def drhs_of(a: Any, b: Any) -> jax.Array:
+        return tgmm(
+            a, b, group_sizes, num_groups=num_local, preferred_element_type=pet_r, **common
+        ).astype(pet_r)
 
     return dlhs.astype(pet_l), drhs_of, a, b
 
