@@ -10,9 +10,11 @@ tokenizer files. A run with `scan_layers` restacks the layers when it loads them
 
 Memory: each HF tensor is memory-mapped; a parameter whose layout or dtype changes is written
 into a memory-mapped scratch file under OUT's staging directory (file pages, not anonymous
-memory), and orbax writes from those maps with its in-flight bytes capped
-(`SAVE_CONCURRENT_GB`). The peak anonymous memory is therefore about one cap, not the model
-(tests/convert/test_hf_to_orbax.py measures it). Everything is written to a staging directory
+memory), and orbax writes from those maps a few chunk-aligned boxes at a time, each box's
+write awaited before the next starts (`bounded_save.BoundedNumpyHandler`, at most
+`WRITE_SLOTS` x `WRITE_BOX_BYTES` in flight). The peak anonymous memory is therefore a few
+boxes, not the model, however slow the disk (tests/convert/test_streaming_memory.py measures
+it). Everything is written to a staging directory
 next to OUT and renamed at the end, so a failed conversion leaves nothing at OUT.
 """
 
@@ -35,13 +37,16 @@ from moetext import config as config_lib
 from moetext import models
 from moetext.checkpoint import shape_mismatches
 from moetext.config.schema import Config
+from moetext.convert.bounded_save import BoundedNumpyHandler, return_large_frees_to_os
 from moetext.convert.hf import DTYPES, check_tensors, read_config, read_parts
 from moetext.convert.safetensors_io import SafetensorsReader
 from moetext.convert.staging import publish, refuse_existing, staging
 from moetext.errors import ConfigError
 from moetext.models.qwen3_moe import hf as qwen3_hf
 
-SAVE_CONCURRENT_GB = 1
+# Bytes in flight while writing: at most WRITE_SLOTS boxes of WRITE_BOX_BYTES (whole chunks).
+WRITE_BOX_BYTES = 32 * 2**20
+WRITE_SLOTS = 4
 # Chunks of at most this many bytes: tensorstore encodes and writes a chunk at a time.
 SAVE_ARGS = ocp.SaveArgs(chunk_byte_size=8 * 2**20)
 TOKENIZER_FILES = (
@@ -148,14 +153,12 @@ def hf_to_orbax(
         for t in tensors:
             var = _leaf(params, t.path)
             var.set_value(_mapped(reader, t, target, scratch))
-        # Orbax deep-copies NumPy leaves before writing by default: that would copy every
-        # memory map into anonymous memory at once. Write straight from the maps instead.
-        registry = ocp.type_handlers.create_type_handler_registry(
-            (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False))
-        )
-        handler = ocp.PyTreeCheckpointHandler(
-            save_concurrent_gb=SAVE_CONCURRENT_GB, type_handler_registry=registry, use_ocdbt=False
-        )
+        # Orbax's NumPy handler deep-copies every leaf and writes them all at once: that would
+        # copy the memory maps into anonymous memory as fast as the disk falls behind.
+        return_large_frees_to_os()
+        writer = BoundedNumpyHandler(box_bytes=WRITE_BOX_BYTES, slots=WRITE_SLOTS)
+        registry = ocp.type_handlers.create_type_handler_registry((np.ndarray, writer))
+        handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_ocdbt=False)
         ckptr = ocp.Checkpointer(
             ocp.CompositeCheckpointHandler(state=handler, meta=ocp.JsonCheckpointHandler())
         )
