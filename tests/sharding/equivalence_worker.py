@@ -9,7 +9,10 @@ train steps, and the PartitionSpecs of a few parameters.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,7 @@ import numpy as np
 from moetext import config
 from moetext import data as data_lib
 from moetext.kernels.gmm import gather
+from moetext.sharding import torus
 from moetext.train import loop
 from moetext.train.step import make_loss_fn, make_train_step
 
@@ -50,6 +54,11 @@ SETTINGS = {
 # budget: 4 tiles of 16 columns (fsdp: along the ungathered F; fsdp_tp: F is split over tensor
 # too, so along a gathered dim, each shard's block in 4 pieces).
 TILED = {"fsdp_tiled": "fsdp", "fsdp_tp_tiled": "fsdp_tp"}
+# The fsdp setting again as on a 3D TPU slice: the 8-device fsdp axis split into 2 x 4
+# (sharding/torus.py), which CPU devices (no torus coordinates) never need, with
+# sharding.split_dense_gathers on. The experts' gathers and the dense layers' matmuls
+# (sharding/fsdp.py) then run per sub-axis in their shard_maps.
+SPLIT = {"fsdp_split": [*SETTINGS["fsdp"], "sharding.split_dense_gathers=true"]}
 SPEC_PATHS = {
     "embed": ("embed",),
     "w_q": ("layers", 0, "attn", "w_q"),
@@ -107,7 +116,25 @@ def run_setting(name: str, overrides: list[str]) -> dict[str, Any]:
         "step_losses": losses,
         "params": jax.tree.map(np.asarray, jax.device_get(state.params)),
         "specs": specs,
+        # Collective ops of the compiled step (CPU), e.g. {"all-gather": 14, ...}.
+        "collectives": collective_counts(step.as_text() or ""),
     }
+
+
+def collective_counts(hlo: str) -> dict[str, int]:
+    ops = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
+    return {op: len(re.findall(rf"= \S+ {op}(?:-start)?\(", hlo)) for op in ops}
+
+
+@contextlib.contextmanager
+def split_like_a_3d_slice() -> Iterator[None]:
+    """torus.split_for_collectives splits every mesh axis of 8 devices into 2 x 4."""
+    real = torus._inner_size
+    torus._inner_size = lambda lines: 4 if len(lines[0]) == 8 else None
+    try:
+        yield
+    finally:
+        torus._inner_size = real
 
 
 def max_rel(a: Any, b: Any) -> float:
@@ -123,6 +150,8 @@ def main() -> None:
     results = {name: run_setting(name, ov) for name, ov in SETTINGS.items()}
     with gather.grad_tile_limits(1, 16):
         results.update({name: run_setting(name, SETTINGS[of]) for name, of in TILED.items()})
+    with split_like_a_3d_slice():
+        results.update({name: run_setting(name, ov) for name, ov in SPLIT.items()})
     ref = results["single"]
     out = {}
     for name, r in results.items():
@@ -133,6 +162,7 @@ def main() -> None:
             "step_losses": r["step_losses"],
             "param_rel": max_rel(r["params"], ref["params"]),
             "specs": r["specs"],
+            "collectives": r["collectives"],
         }
     print("RESULT " + json.dumps(out), flush=True)
 

@@ -24,9 +24,12 @@ def test_meshes_are_what_the_settings_ask(results):
     assert results["fsdp_ep"]["mesh"] == {"data": 1, "fsdp": 2, "expert": 4, "tensor": 1}
 
 
-@pytest.mark.parametrize("name", ["fsdp", "fsdp_tp", "fsdp_ep", "fsdp_tiled", "fsdp_tp_tiled"])
+@pytest.mark.parametrize(
+    "name", ["fsdp", "fsdp_tp", "fsdp_ep", "fsdp_tiled", "fsdp_tp_tiled", "fsdp_split"]
+)
 def test_sharded_step_matches_single_device(results, name):
     # *_tiled: the expert-weight gradients reduce-scattered in 4 tiles (equivalence_worker.TILED).
+    # fsdp_split: the fsdp axis split 2 x 4 as on a 3D TPU slice (equivalence_worker.SPLIT).
     r = results[name]
     # The tiny config computes in f32; sharding only changes the order of reductions (partial
     # sums per device, then across devices), so results agree to f32 rounding. Measured on
@@ -58,3 +61,14 @@ def test_param_specs_follow_each_preset(results):
     assert ep["experts.w_gate"] == ["expert", "fsdp", None]
     assert ep["experts.w_down"] == ["expert", None, "fsdp"]
     assert ep["embed"] == [None, "fsdp"]
+
+
+def test_split_dense_gathers_reduce_scatter_each_dense_gradient_per_sub_axis(results):
+    # fsdp_split (fsdp = 2 x 4, sharding.split_dense_gathers): the 1-layer tiny model's six
+    # dense weights (w_q, w_k, w_v, w_o, router, LM head) are multiplied in shard_maps that
+    # gather them one sub-axis at a time, so each gradient is two reduce-scatters where GSPMD's
+    # fsdp step has at most one; the values match one device
+    # (test_sharded_step_matches_single_device).
+    split, plain = results["fsdp_split"]["collectives"], results["fsdp"]["collectives"]
+    assert split["reduce-scatter"] >= plain["reduce-scatter"] + 2 * 6, (split, plain)
+    assert split["all-gather"] > plain["all-gather"], (split, plain)

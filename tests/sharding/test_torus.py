@@ -137,3 +137,60 @@ def test_gathering_one_split_axis_at_a_time_keeps_all_gathers():
     mesh, _ = torus.split_for_collectives(_fsdp_mesh("v5p:4x4x4"), ["fsdp"])
     assert _gather_ops(mesh, [P()]) == ["all-reduce", "colors:6"]
     assert _gather_ops(mesh, [P("fsdp_outer"), P()]) == ["all-gather", "all-gather"]
+
+
+def _dense_step_ops(topology: str, split_dense: bool) -> set[tuple[str, str]]:
+    """The (op, result shapes) of the collectives of the compiled forward + backward of two
+    FSDP dense projections and the fused LM-head loss under the fsdp preset's rules, with
+    sharding.split_dense_gathers on or off."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from moetext import aot
+    from moetext.sharding import fsdp, load_preset, logical
+    from moetext.train.loss import fused_masked_nll
+
+    preset = load_preset("fsdp")
+    mesh = _fsdp_mesh(topology)
+    d, f, v, t = 8192, 4096, 8192, 16 * mesh.size  # a 64 MiB bf16 weight, as above
+
+    def loss(x, w, head, targets):
+        y = fsdp.project("td,df->tf", x, w, ("embed", "mlp"), jnp.bfloat16)
+        h = fsdp.project("tf,df->td", y, w, ("embed", "mlp"), jnp.bfloat16)
+        nll, _ = fused_masked_nll(
+            h[None], head, targets[None], jnp.ones_like(targets)[None], chunk_size=2048
+        )
+        return nll
+
+    def spec(names):
+        return NamedSharding(mesh, logical.logical_to_mesh_spec(names, preset.rules))
+
+    args = (
+        jax.ShapeDtypeStruct((t, d), jnp.bfloat16, sharding=spec(("batch", "embed"))),
+        jax.ShapeDtypeStruct((d, f), jnp.float32, sharding=spec(("embed", "mlp"))),
+        jax.ShapeDtypeStruct((v, d), jnp.float32, sharding=spec(("vocab", "embed"))),
+        jax.ShapeDtypeStruct((t,), jnp.int32, sharding=spec(("batch",))),
+    )
+    with logical.use_rules(mesh, preset.rules), fsdp.split_dense_gathers(split_dense):
+        compiled = jax.jit(jax.grad(loss, argnums=(1, 2))).lower(*args).compile()
+    return {(op, shape) for (op, shape) in aot.collectives(compiled.as_text() or "", by="shape")}
+
+
+@pytest.mark.tpu_aot
+def test_split_dense_gathers_keeps_the_weight_gathers_all_gathers_on_a_4x4x4_torus():
+    # GSPMD (the default) gathers the projection's weight and each LM-head vocab chunk over
+    # all 64 chips as all-reduces of the full array. With sharding.split_dense_gathers they are
+    # all-gathers, one split axis at a time, and the gradients reduce-scatters per axis.
+    full_w, full_chunk = "bf16[8192,4096]", "bf16[2048,1,8192]"
+    off = _dense_step_ops("v5p:4x4x4", split_dense=False)
+    assert {("all-reduce", full_w), ("all-reduce", full_chunk)} <= off, sorted(off)
+    on = _dense_step_ops("v5p:4x4x4", split_dense=True)
+    assert {("all-gather", full_w), ("all-gather", full_chunk)} <= on, sorted(on)
+    assert ("reduce-scatter", "f32[128,4096]") in on, sorted(on)  # the weight's inner stage
+    # Left as all-reduces: the LM-head chunk gradient's 16-chip stage (bf16 [2048, 2048] to
+    # 128-column shards, which XLA:TPU runs as an all-reduce for bf16 even in a standalone
+    # psum_scatter over a 2D plane; an f32 or wider result is a reduce-scatter), a quarter of
+    # a chunk. Nothing weight- or chunk-sized.
+    small = [s for op, s in on if op == "all-reduce"]
+    assert small == ["bf16[2048,2048]"], sorted(on)

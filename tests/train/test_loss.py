@@ -136,6 +136,8 @@ def test_bad_shapes_and_dtypes_are_named():
         fused_masked_nll(h[None], w[:, :3], targets[None], mask[None], chunk_size=4)
     with pytest.raises(ValueError, match="chunk_size"):
         chunking(13, 0)
+    with pytest.raises(ValueError, match=r"only D \(dim 1\) of the head can be gathered"):
+        lm_head_nll(h, w, targets, 4, ((0, ("fsdp",)),))
 
 
 def test_the_fused_loss_never_holds_the_full_logits():

@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from moetext.config.schema import ShardingConfig
 from moetext.errors import ConfigError
-from moetext.sharding import logical
+from moetext.sharding import fsdp, logical
 from moetext.sharding.mesh import make_mesh
 from moetext.sharding.rules import Preset, check_covered, resolve
 
@@ -41,10 +41,15 @@ BATCH_NAMES = ("batch", None)
 class Plan:
     preset: Preset
     mesh: Mesh
+    split_dense_gathers: bool = False  # ShardingConfig.split_dense_gathers (sharding/fsdp.py)
 
-    def rules(self) -> contextlib.AbstractContextManager[None]:
-        """The context under which jitted functions must be traced (activation constraints)."""
-        return logical.use_rules(self.mesh, self.preset.rules)
+    @contextlib.contextmanager
+    def rules(self) -> Iterator[None]:
+        """The context under which jitted functions must be traced (activation constraints,
+        and the dense layers' matmul form)."""
+        with logical.use_rules(self.mesh, self.preset.rules):
+            with fsdp.split_dense_gathers(self.split_dense_gathers):
+                yield
 
     def spec(self, names: Sequence[str | None]) -> PartitionSpec:
         return logical.logical_to_mesh_spec(names, self.preset.rules, self.mesh.axis_names)
@@ -107,7 +112,7 @@ class Plan:
 def make_plan(cfg: ShardingConfig, devices: Sequence[jax.Device] | None = None) -> Plan:
     """Resolves the preset and builds its mesh over `devices` (default: all devices)."""
     preset = resolve(cfg)
-    return Plan(preset, make_mesh(preset, devices))
+    return Plan(preset, make_mesh(preset, devices), cfg.split_dense_gathers)
 
 
 def logical_names(var: nnx.Variable[Any]) -> tuple[str | None, ...] | None:

@@ -15,12 +15,12 @@ reduce-scatters (all-gathers) where the one over the whole axis became an all-re
 keep their layout: the split axis `a` is the pair (a_outer, a_inner) in the same device order,
 so P("a") and P(("a_outer", "a_inner")) place every shard on the same device.
 
-Only explicit per-axis collectives get split. GSPMD's own gathers (attention, embeddings) stay
+Only explicit per-axis collectives get split: the experts' (models/moe/ep.py) and, with
+`sharding.split_dense_gathers`, the dense layers' (sharding/fsdp.py). GSPMD's own gathers stay
 one collective over the whole group even on the split mesh, sharded over both axes: it merges
-them. By the compiler's own algorithm choice that costs no more link time: the all-reduce it
+them. By the compiler's own algorithm choice that may cost no more link time: the all-reduce it
 emits there runs on one ring per link direction (six on v5p:4x4x4, "colors:6" in the HLO)
-where its all-gathers use a 1D emitter and the reduce-scatters one ring ("colors:1"): twice
-the bytes over up to six times the links (docs/sharding.md, "3D TPU slices").
+where per-axis all-gathers use a 1D emitter (docs/sharding.md, "3D TPU slices").
 """
 
 from __future__ import annotations

@@ -42,9 +42,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from moetext.kernels.gmm.gather import Gather, all_gather_dims, gathered_shape, psum_scatter_dims
+from moetext.sharding import fsdp
 from moetext.sharding.logical import constrain
 
 F32 = jnp.float32
+HEAD_NAMES = ("vocab", "embed")  # the LM head's (and a tied embedding's) logical axes
 
 
 def masked_nll(
@@ -78,7 +81,19 @@ def fused_masked_nll(
         )
     # B * S flattened batch-major: the token axis keeps the batch's sharding.
     h_TD = constrain(h_BSD.reshape(b * s, d), ("batch", "embed"))
-    nll_T = lm_head_nll(h_TD, head_VD.astype(h_BSD.dtype), targets_BS.reshape(b * s), chunk_size)
+    w_VD, targets_T = head_VD.astype(h_BSD.dtype), targets_BS.reshape(b * s)
+    plan = fsdp.plan_for(head_VD, HEAD_NAMES)
+    if plan is None:
+        nll_T = lm_head_nll(h_TD, w_VD, targets_T, chunk_size)
+    else:  # sharding.split_dense_gathers on a 3D TPU slice: per token shard (sharding/fsdp.py)
+        gather = plan.gather
+        nll_T = jax.shard_map(
+            lambda h, w, t: lm_head_nll(h, w, t, chunk_size, gather),
+            mesh=plan.mesh,
+            in_specs=(plan.tokens, plan.w_spec, plan.tokens),
+            out_specs=plan.tokens,
+            check_vma=False,  # the specs state the replication exactly (as in fsdp.project)
+        )(h_TD, w_VD, targets_T)
     mask_T = mask_BS.reshape(b * s).astype(F32)
     return jnp.sum(nll_T * mask_T), jnp.sum(mask_T)
 
@@ -97,13 +112,29 @@ def chunking(vocab: int, chunk_size: int) -> tuple[int, int]:
 
 
 def lm_head_nll(
-    h_TD: jax.Array, w_VD: jax.Array, targets_T: jax.Array, chunk_size: int
+    h_TD: jax.Array,
+    w_VD: jax.Array,
+    targets_T: jax.Array,
+    chunk_size: int,
+    gather: Gather = (),
 ) -> jax.Array:
     """nll_T float32 = logsumexp(h_TD @ w_VD.T) - the target's logit, without the [T, V]
     logits: vocab chunks of at most chunk_size rows (module docstring). h and w share the
-    compute dtype; targets_T are int in [0, V) (one outside scores logsumexp alone)."""
-    if h_TD.ndim != 2 or w_VD.ndim != 2 or h_TD.shape[1] != w_VD.shape[1]:
+    compute dtype; targets_T are int in [0, V) (one outside scores logsumexp alone).
+
+    gather: inside a shard_map, the (dim, mesh axes) pairs w_VD is split along (D only): each
+    chunk is all-gathered along them and its gradient reduce-scattered back, so w_VD and its
+    gradient stay this shard's slice."""
+    if any(dim != 1 for dim, _ in gather):
+        raise ValueError(f"lm_head_nll: only D (dim 1) of the head can be gathered, got {gather}")
+    if h_TD.ndim != 2 or w_VD.ndim != 2:
         raise ValueError(f"lm_head_nll: h {h_TD.shape} and w {w_VD.shape} must be [T, D], [V, D]")
+    w_dim = gathered_shape(w_VD.shape, gather)[1]
+    if h_TD.shape[1] != w_dim:
+        raise ValueError(
+            f"lm_head_nll: h {h_TD.shape} and w {w_VD.shape} (D = {w_dim} gathered) must be "
+            f"[T, D], [V, D]"
+        )
     if h_TD.dtype != w_VD.dtype:
         raise ValueError(f"lm_head_nll: h ({h_TD.dtype}) and w ({w_VD.dtype}) must share a dtype")
     if targets_T.shape != h_TD.shape[:1] or not jnp.issubdtype(targets_T.dtype, jnp.integer):
@@ -111,7 +142,7 @@ def lm_head_nll(
             f"lm_head_nll: targets must be integer [{h_TD.shape[0]}], got "
             f"{targets_T.dtype}{targets_T.shape}"
         )
-    nll_T: jax.Array = _nll(chunk_size, h_TD, w_VD, targets_T)
+    nll_T: jax.Array = _nll(chunk_size, gather, h_TD, w_VD, targets_T)
     return nll_T
 
 
@@ -124,13 +155,19 @@ def _chunked(w_VD: jax.Array, n: int, c: int) -> jax.Array:
 
 
 def _chunk_logits(
-    h_TD: jax.Array, w_CND: jax.Array, j: jax.Array, vocab: int
+    h_TD: jax.Array, w_CND: jax.Array, j: jax.Array, vocab: int, gather: Gather
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(w_CD, logits_TC float32, ids_C) of chunk j; padded rows' logits are -inf."""
+    """(w_CD, logits_TC float32, ids_C) of chunk j (w_CD gathered along `gather`); padded
+    rows' logits are -inf."""
     c, n, _ = w_CND.shape
-    w_CD = constrain(lax.dynamic_index_in_dim(w_CND, j, axis=1, keepdims=False), ("vocab", "embed"))
+    w_CD = lax.dynamic_index_in_dim(w_CND, j, axis=1, keepdims=False)
+    if gather:  # inside a shard_map: explicit per-axis gathers, no GSPMD constraints
+        w_CD = all_gather_dims(w_CD, gather)
+    else:
+        w_CD = constrain(w_CD, ("vocab", "embed"))
     logits_TC = lax.dot_general(h_TD, w_CD, (((1,), (1,)), ((), ())), preferred_element_type=F32)
-    logits_TC = constrain(logits_TC, ("batch", "vocab"))
+    if not gather:
+        logits_TC = constrain(logits_TC, ("batch", "vocab"))
     ids_C = jnp.arange(c, dtype=jnp.int32) * n + j
     if n * c > vocab:
         logits_TC = jnp.where(ids_C < vocab, logits_TC, -jnp.inf)
@@ -138,7 +175,7 @@ def _chunk_logits(
 
 
 def _logsumexp_and_target(
-    h_TD: jax.Array, w_VD: jax.Array, targets_T: jax.Array, chunk_size: int
+    h_TD: jax.Array, w_VD: jax.Array, targets_T: jax.Array, chunk_size: int, gather: Gather
 ) -> tuple[jax.Array, jax.Array]:
     """(lse_T, target logit_T), float32, one vocab chunk at a time."""
     (t, _), vocab = h_TD.shape, w_VD.shape[0]
@@ -149,7 +186,7 @@ def _logsumexp_and_target(
         carry: tuple[jax.Array, jax.Array, jax.Array], j: jax.Array
     ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], None]:
         max_T, sum_T, target_T = carry
-        _, logits_TC, ids_C = _chunk_logits(h_TD, w_CND, j, vocab)
+        _, logits_TC, ids_C = _chunk_logits(h_TD, w_CND, j, vocab, gather)
         new_max_T = jnp.maximum(max_T, jnp.max(logits_TC, axis=1))
         # Every chunk has a valid row, so new_max_T is finite and exp(-inf - new_max) = 0.
         sum_T = sum_T * jnp.exp(max_T - new_max_T) + jnp.sum(
@@ -164,46 +201,52 @@ def _logsumexp_and_target(
     return max_T + jnp.log(sum_T), target_T
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _nll(chunk_size: int, h_TD: jax.Array, w_VD: jax.Array, targets_T: jax.Array) -> jax.Array:
-    return _nll_fwd(chunk_size, h_TD, w_VD, targets_T)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _nll(
+    chunk_size: int, gather: Gather, h_TD: jax.Array, w_VD: jax.Array, targets_T: jax.Array
+) -> jax.Array:
+    return _nll_fwd(chunk_size, gather, h_TD, w_VD, targets_T)[0]
 
 
 Residuals = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
 
 
 def _nll_fwd(
-    chunk_size: int, h_TD: jax.Array, w_VD: jax.Array, targets_T: jax.Array
+    chunk_size: int, gather: Gather, h_TD: jax.Array, w_VD: jax.Array, targets_T: jax.Array
 ) -> tuple[jax.Array, Residuals]:
-    lse_T, target_T = _logsumexp_and_target(h_TD, w_VD, targets_T, chunk_size)
+    lse_T, target_T = _logsumexp_and_target(h_TD, w_VD, targets_T, chunk_size, gather)
     return lse_T - target_T, (h_TD, w_VD, targets_T, lse_T)
 
 
 def _nll_bwd(
-    chunk_size: int, res: Residuals, dnll_T: jax.Array
+    chunk_size: int, gather: Gather, res: Residuals, dnll_T: jax.Array
 ) -> tuple[jax.Array, jax.Array, None]:
     h_TD, w_VD, targets_T, lse_T = res
-    (t, d), vocab = h_TD.shape, w_VD.shape[0]
+    (t, d), (vocab, d_w) = h_TD.shape, w_VD.shape
     n, c = chunking(vocab, chunk_size)
     w_CND = _chunked(w_VD, n, c)
     dnll_T = dnll_T.astype(F32)
 
     def body(dh_TD: jax.Array, j: jax.Array) -> tuple[jax.Array, jax.Array]:
-        w_CD, logits_TC, ids_C = _chunk_logits(h_TD, w_CND, j, vocab)
+        w_CD, logits_TC, ids_C = _chunk_logits(h_TD, w_CND, j, vocab, gather)
         hit_TC = ids_C[None, :] == targets_T[:, None]
         dlogits_TC = (jnp.exp(logits_TC - lse_T[:, None]) - hit_TC) * dnll_T[:, None]
-        dlogits_TC = constrain(dlogits_TC.astype(h_TD.dtype), ("batch", "vocab"))
+        dlogits_TC = dlogits_TC.astype(h_TD.dtype)
+        if not gather:
+            dlogits_TC = constrain(dlogits_TC, ("batch", "vocab"))
         dh_TD = dh_TD + lax.dot_general(
             dlogits_TC, w_CD, (((1,), (0,)), ((), ())), preferred_element_type=F32
         )
         dw_CD = lax.dot_general(
             dlogits_TC, h_TD, (((0,), (0,)), ((), ())), preferred_element_type=F32
         )
+        if gather:  # this shard's tokens' part -> the sum over shards of this shard's slice
+            return dh_TD, psum_scatter_dims(dw_CD.astype(w_VD.dtype), gather)
         return dh_TD, constrain(dw_CD.astype(w_VD.dtype), ("vocab", "embed"))
 
     dh_TD, dw_NCD = lax.scan(body, jnp.zeros((t, d), F32), jnp.arange(n, dtype=jnp.int32))
     # Back from chunk-major [N, C, D] to row order a * N + j, then drop the padding.
-    dw_VD = jnp.swapaxes(dw_NCD, 0, 1).reshape(n * c, d)[:vocab]
+    dw_VD = jnp.swapaxes(dw_NCD, 0, 1).reshape(n * c, d_w)[:vocab]
     return dh_TD.astype(h_TD.dtype), dw_VD, None
 
 

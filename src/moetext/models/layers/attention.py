@@ -18,10 +18,15 @@ from moetext.models.layers.norms import RMSNorm
 from moetext.models.layers.params import as_dtype, make_param, normal, zeros
 from moetext.models.layers.rope import apply_rope
 from moetext.models.layers.rowdot import dot_rows
+from moetext.sharding.fsdp import project
 
 # Self-attention over more than this many queries runs a block of queries at a time (see
 # `attend`): the [B, K, G, S, T] f32 scores and their gradient are never whole.
 QUERY_BLOCK = 512
+# Logical axes of the projections.
+Q_NAMES = ("embed", "heads", "head_dim")
+KV_NAMES = ("embed", "kv_heads", "head_dim")
+O_NAMES = ("heads", "head_dim", "embed")
 
 
 def attend(
@@ -108,10 +113,10 @@ class Attention(nnx.Module):
         pdt, self.dtype = as_dtype(cfg.param_dtype), as_dtype(cfg.dtype)
         d, n, kv, h = cfg.emb_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         init = normal(cfg.init_std)
-        self.w_q = make_param(rngs, init, (d, n, h), ("embed", "heads", "head_dim"), pdt)
-        self.w_k = make_param(rngs, init, (d, kv, h), ("embed", "kv_heads", "head_dim"), pdt)
-        self.w_v = make_param(rngs, init, (d, kv, h), ("embed", "kv_heads", "head_dim"), pdt)
-        self.w_o = make_param(rngs, init, (n, h, d), ("heads", "head_dim", "embed"), pdt)
+        self.w_q = make_param(rngs, init, (d, n, h), Q_NAMES, pdt)
+        self.w_k = make_param(rngs, init, (d, kv, h), KV_NAMES, pdt)
+        self.w_v = make_param(rngs, init, (d, kv, h), KV_NAMES, pdt)
+        self.w_o = make_param(rngs, init, (n, h, d), O_NAMES, pdt)
         self.bias = bool(cfg.attention_bias)
         if self.bias:  # Qwen2(-MoE): q, k, v projections with bias (zeros at init)
             self.b_q = make_param(rngs, zeros, (n, h), ("heads", "head_dim"), pdt)
@@ -131,7 +136,7 @@ class Attention(nnx.Module):
     ) -> jax.Array:
         q_BSNH, k_BSKH, v_BSKH = self._qkv(x_BSD, cos_BSH, sin_BSH)
         out_BSNH = attend(q_BSNH, k_BSKH, v_BSKH, segment_ids_BS)
-        return jnp.einsum("bsnh,nhd->bsd", out_BSNH, self.w_o[...].astype(self.dtype))
+        return project("bsnh,nhd->bsd", out_BSNH, self.w_o[...], O_NAMES, self.dtype)
 
     def _project_rows(self, x_BSI: jax.Array, w: jax.Array, contract: int) -> jax.Array:
         """x_BSI @ w over w's first `contract` axes (the I ones) as a 2-D `dot_rows`, for
@@ -152,9 +157,9 @@ class Attention(nnx.Module):
             k_BSKH = self._project_rows(x, self.w_k[...], 1)
             v_BSKH = self._project_rows(x, self.w_v[...], 1)
         else:
-            q_BSNH = jnp.einsum("bsd,dnh->bsnh", x, self.w_q[...].astype(self.dtype))
-            k_BSKH = jnp.einsum("bsd,dkh->bskh", x, self.w_k[...].astype(self.dtype))
-            v_BSKH = jnp.einsum("bsd,dkh->bskh", x, self.w_v[...].astype(self.dtype))
+            q_BSNH = project("bsd,dnh->bsnh", x, self.w_q[...], Q_NAMES, self.dtype)
+            k_BSKH = project("bsd,dkh->bskh", x, self.w_k[...], KV_NAMES, self.dtype)
+            v_BSKH = project("bsd,dkh->bskh", x, self.w_v[...], KV_NAMES, self.dtype)
         if self.bias:
             q_BSNH = q_BSNH + self.b_q[...].astype(self.dtype)
             k_BSKH = k_BSKH + self.b_k[...].astype(self.dtype)

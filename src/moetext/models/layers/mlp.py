@@ -6,11 +6,11 @@ Legend: B batch, S sequence, D emb_dim, F intermediate (any leading axes work).
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
 from moetext.models.layers.params import make_param, normal
+from moetext.sharding.fsdp import project
 
 
 class SwiGLU(nnx.Module):
@@ -28,14 +28,15 @@ class SwiGLU(nnx.Module):
         axis: str = "mlp",
     ):
         self.dtype = dtype
+        self.in_names, self.out_names = ("embed", axis), (axis, "embed")
         init = normal(init_std)
-        self.w_gate = make_param(rngs, init, (emb_dim, hidden_dim), ("embed", axis), param_dtype)
-        self.w_up = make_param(rngs, init, (emb_dim, hidden_dim), ("embed", axis), param_dtype)
-        self.w_down = make_param(rngs, init, (hidden_dim, emb_dim), (axis, "embed"), param_dtype)
+        self.w_gate = make_param(rngs, init, (emb_dim, hidden_dim), self.in_names, param_dtype)
+        self.w_up = make_param(rngs, init, (emb_dim, hidden_dim), self.in_names, param_dtype)
+        self.w_down = make_param(rngs, init, (hidden_dim, emb_dim), self.out_names, param_dtype)
 
     def __call__(self, x_BSD: jax.Array) -> jax.Array:
         x = x_BSD.astype(self.dtype)
-        gate_BSF = jnp.einsum("...d,df->...f", x, self.w_gate[...].astype(self.dtype))
-        up_BSF = jnp.einsum("...d,df->...f", x, self.w_up[...].astype(self.dtype))
+        gate_BSF = project("...d,df->...f", x, self.w_gate[...], self.in_names, self.dtype)
+        up_BSF = project("...d,df->...f", x, self.w_up[...], self.in_names, self.dtype)
         h_BSF = jax.nn.silu(gate_BSF) * up_BSF
-        return jnp.einsum("...f,fd->...d", h_BSF, self.w_down[...].astype(self.dtype))
+        return project("...f,fd->...d", h_BSF, self.w_down[...], self.out_names, self.dtype)

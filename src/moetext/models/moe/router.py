@@ -11,6 +11,9 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from moetext.models.layers.params import make_param, normal
+from moetext.sharding.fsdp import project
+
+W_NAMES = ("embed", None)
 
 
 class Router(nnx.Module):
@@ -29,12 +32,10 @@ class Router(nnx.Module):
         param_dtype: DTypeLike,
         rngs: nnx.Rngs,
     ):
-        self.w = make_param(
-            rngs, normal(init_std), (emb_dim, num_experts), ("embed", None), param_dtype
-        )
+        self.w = make_param(rngs, normal(init_std), (emb_dim, num_experts), W_NAMES, param_dtype)
 
     def __call__(self, x_TD: jax.Array) -> jax.Array:
-        return jnp.dot(x_TD.astype(jnp.float32), self.w[...].astype(jnp.float32))
+        return project("td,de->te", x_TD.astype(jnp.float32), self.w[...], W_NAMES, jnp.float32)
 
 
 def route(

@@ -1,0 +1,129 @@
+"""FSDP matmuls for the dense layers whose collectives stay real on 3D TPU slices.
+
+A dense layer (attention, a dense MLP, the router) multiplies batch-split tokens by a weight
+stored split over the same axes (`embed -> fsdp`) and leaves the FSDP gather to GSPMD, which
+all-gathers the weight and reduce-scatters its gradient as one collective over the whole axis.
+Where that axis spans all three dims of a v5p torus, XLA:TPU lowers such a reduce-scatter
+(v5p:2x2x2 and larger) and, on v5p:4x4x4 and larger, the all-gather itself as an all-reduce of
+the full weight (sharding/torus.py, docs/sharding.md).
+
+`project` makes the matmul explicit there: a `jax.shard_map` over the run's mesh with those
+axes split into (outer, inner) pairs of at most two torus dims (same devices, same shards),
+in which each token shard all-gathers the weight one sub-axis at a time
+(`kernels.gmm.gather.gather_weight`: cast to the compute dtype first, so the wire carries bf16)
+and multiplies its own tokens; the weight gradient, computed per shard, is reduce-scattered per
+sub-axis in the weight's dtype, as the experts' is. It applies inside
+`split_dense_gathers(True)` (config `sharding.split_dense_gathers`, entered by `Plan.rules`)
+when the weight is split over exactly the mesh axes that split the tokens (the fsdp preset);
+everywhere else (the default, no rules context, CPU, one- and two-dim slices, tensor or expert
+parallelism on the weight or tokens) it is `jnp.einsum(eq, x, w.astype(dtype))` and GSPMD
+decides.
+
+Why it is off by default: which form is faster is not known without a TPU. GSPMD's all-reduce
+runs on six rings at once over a v5p:4x4x4 (the compiler's `collective_algorithm_config`),
+while the per-axis all-gathers use 1D emitters, so by link count the all-reduce may cost no
+more (docs/sharding.md, "3D TPU slices"); the AOT figures of both are in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+from jax.typing import DTypeLike
+
+from moetext.kernels.gmm.gather import Gather, gather_weight
+from moetext.sharding import logical, torus
+
+TOKEN_NAMES = ("batch", "length")
+_SPLIT: contextvars.ContextVar[bool] = contextvars.ContextVar("moetext_split_dense", default=False)
+
+
+@contextlib.contextmanager
+def split_dense_gathers(on: bool) -> Iterator[None]:
+    """`project` takes the per-axis shard_map form inside this block when `on` (and the mesh
+    needs the split)."""
+    token = _SPLIT.set(on)
+    try:
+        yield
+    finally:
+        _SPLIT.reset(token)
+
+
+def _axes(entry: object) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """How a per-token-shard matmul against an FSDP weight runs (all static)."""
+
+    mesh: Mesh  # the run's mesh with the weight's axes split (sharding/torus.py)
+    gather: Gather  # the weight's (dim, sub-axes) pairs, gathered in this order
+    w_spec: PartitionSpec  # the weight's layout on `mesh`
+    tokens: PartitionSpec  # dim 0 of the tokens (and of the result) split over the batch axes
+
+
+def plan_for(w: jax.Array, names: Sequence[str | None]) -> ShardPlan | None:
+    """The shard_map form for weight `w` (logical axes `names`), or None where GSPMD keeps the
+    matmul: outside `split_dense_gathers(True)` or a rules context, where the weight is not
+    split over exactly the tokens' mesh axes, and where the mesh needs no split."""
+    ctx = logical.current()
+    if ctx is None or not _SPLIT.get():
+        return None
+    if len(names) != w.ndim:
+        raise ValueError(f"logical names {tuple(names)} do not match the rank of shape {w.shape}")
+    mesh, rules = ctx
+    spec = logical.logical_to_mesh_spec(names, rules, mesh.axis_names)
+    tokens = logical.logical_to_mesh_spec(TOKEN_NAMES, rules, mesh.axis_names)
+    token_axes = [a for entry in tokens for a in _axes(entry) if mesh.shape[a] > 1]
+    w_axes = [a for entry in spec for a in _axes(entry) if mesh.shape[a] > 1]
+    # The per-shard matmul is the whole story only when the weight is split over exactly the
+    # axes that split the tokens (pure FSDP): then gathering it makes the matmul local, and
+    # reduce-scattering its gradient sums every token shard's part.
+    if sorted(w_axes) != sorted(token_axes):
+        return None
+    split, renames = torus.split_for_collectives(mesh, w_axes)
+    if not renames:
+        return None
+    gather: Gather = tuple(
+        (dim, torus.rename_axes(_axes(entry), renames))
+        for dim, entry in enumerate(spec)
+        if _axes(entry)
+    )
+    tok = torus.rename_axes(tuple(a for entry in tokens for a in _axes(entry)), renames)
+    # Size-1 axes the tokens do not name are named too (no change of layout): shard_map's
+    # transpose would otherwise psum the tokens' cotangent over them, a no-op all-reduce each.
+    tok += tuple(a for a in split.axis_names if split.shape[a] == 1 and a not in tok)
+    tok_spec = PartitionSpec(tok or None)  # type: ignore[no-untyped-call]  # jax: PartitionSpec.__new__ unannotated
+    return ShardPlan(split, gather, torus.rename_spec(spec, renames), tok_spec)
+
+
+def project(
+    eq: str, x: jax.Array, w: jax.Array, w_names: Sequence[str | None], dtype: DTypeLike
+) -> jax.Array:
+    """jnp.einsum(eq, x, w.astype(dtype)) for tokens x split along dim 0 (which `eq` keeps as
+    the output's dim 0) and a weight with logical axes `w_names`. On a mesh whose FSDP axes span
+    three torus dims, it runs per token shard in a shard_map over the split mesh, gathering w
+    one sub-axis at a time and reduce-scattering its gradient the same way; else as written."""
+    plan = plan_for(w, w_names)
+    if plan is None:
+        return jnp.einsum(eq, x, w.astype(dtype))
+    gather = plan.gather
+    out: jax.Array = jax.shard_map(
+        lambda x_, w_: jnp.einsum(eq, x_, gather_weight(w_, gather, dtype)),
+        mesh=plan.mesh,
+        in_specs=(plan.tokens, plan.w_spec),
+        out_specs=plan.tokens,
+        # gather_weight's custom_vjp hides the all-gathers' replication from the vma checker;
+        # the specs state it exactly.
+        check_vma=False,
+    )(x, w)
+    return out
