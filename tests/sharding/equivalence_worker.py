@@ -58,7 +58,11 @@ TILED = {"fsdp_tiled": "fsdp", "fsdp_tp_tiled": "fsdp_tp"}
 # (sharding/torus.py), which CPU devices (no torus coordinates) never need, with
 # sharding.split_dense_gathers on. The experts' gathers and the dense layers' matmuls
 # (sharding/fsdp.py) then run per sub-axis in their shard_maps.
-SPLIT = {"fsdp_split": [*SETTINGS["fsdp"], "sharding.split_dense_gathers=true"]}
+# fsdp_tp at its shipped tensor = 1 takes the same path (its weights name the size-1 axis).
+SPLIT = {
+    "fsdp_split": [*SETTINGS["fsdp"], "sharding.split_dense_gathers=true"],
+    "fsdp_tp1_split": ["sharding.preset=fsdp_tp", "sharding.split_dense_gathers=true"],
+}
 SPEC_PATHS = {
     "embed": ("embed",),
     "w_q": ("layers", 0, "attn", "w_q"),

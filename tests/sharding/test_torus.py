@@ -188,7 +188,7 @@ def test_split_dense_gathers_keeps_the_weight_gathers_all_gathers_on_a_4x4x4_tor
     on = _dense_step_ops("v5p:4x4x4", split_dense=True)
     assert {("all-gather", full_w), ("all-gather", full_chunk)} <= on, sorted(on)
     assert ("reduce-scatter", "f32[128,4096]") in on, sorted(on)  # the weight's inner stage
-    # Left as all-reduces: the LM-head chunk gradient's 16-chip stage (bf16 [2048, 2048] to
+    # Left as an all-reduce: the LM-head chunk gradient's 16-chip stage (bf16 [2048, 2048] to
     # 128-column shards, which XLA:TPU runs as an all-reduce for bf16 even in a standalone
     # psum_scatter over a 2D plane; an f32 or wider result is a reduce-scatter), a quarter of
     # a chunk. Nothing weight- or chunk-sized.

@@ -14,12 +14,15 @@ glibc's per-thread arenas (and glibc raises its mmap threshold once a large bloc
 ever larger blocks are cached). On the 407 MB test checkpoint that cache, not the data in
 flight, was most of the growth: 150-180 MB with the bounded writes alone, 73-82 MB with a
 1 MiB threshold, 36 MB with 32 KiB and one 8 MiB box in flight. `return_large_frees_to_os`
-pins the threshold so that freed buffers go back to the OS.
+pins the threshold so that freed buffers of 32 KiB or more go back to the OS. It changes the
+whole process for good, so the conversion CLI (`python -m moetext.convert`) calls it, not the
+library function.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import ctypes
 import ctypes.util
 import math
@@ -31,6 +34,10 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 
 Box = tuple[slice, ...]
+# The running save's gate on in-flight boxes (set by BoundedNumpyHandler._background_serialize).
+_GATE: contextvars.ContextVar[asyncio.Semaphore | None] = contextvars.ContextVar(
+    "moetext_bounded_save_gate", default=None
+)
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 
 
@@ -88,14 +95,15 @@ class BoundedNumpyHandler(ocp.type_handlers.NumpyHandler):  # type: ignore[misc]
             raise ValueError(f"box_bytes={box_bytes} and slots={slots} must be >= 1")
         self.box_bytes = box_bytes
         self.slots = slots
-        self._gates: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
 
-    def _gate(self) -> asyncio.Semaphore:
-        # One semaphore per event loop: orbax may run successive saves on different loops.
-        loop = asyncio.get_running_loop()
-        if loop not in self._gates:
-            self._gates = {loop: asyncio.Semaphore(self.slots)}
-        return self._gates[loop]
+    async def _background_serialize(self, *args: Any, **kwargs: Any) -> None:
+        # One gate per save: the write coroutines orbax starts from here (as tasks, which copy
+        # this context) all see it, and a concurrent save on another loop has its own.
+        token = _GATE.set(asyncio.Semaphore(self.slots))
+        try:
+            await super()._background_serialize(*args, **kwargs)
+        finally:
+            _GATE.reset(token)
 
     async def _open_and_write(
         self, value: np.ndarray, tspec: dict[str, Any], ts_context: ts.Context
@@ -105,7 +113,9 @@ class BoundedNumpyHandler(ocp.type_handlers.NumpyHandler):  # type: ignore[misc]
         if grid is None or any(c is None for c in grid):
             raise ValueError(f"no write chunk shape in the tensorstore spec {tspec}")
         chunks = tuple(int(c) for c in grid if c is not None)
-        gate = self._gate()
+        gate = _GATE.get()
+        if gate is None:
+            raise RuntimeError("BoundedNumpyHandler._open_and_write ran outside a save")
         for box in chunk_boxes(value.shape, chunks, value.dtype.itemsize, self.box_bytes):
             async with gate:
                 await t[box].write(value[box], can_reference_source_data_indefinitely=True)

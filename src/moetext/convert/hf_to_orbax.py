@@ -37,7 +37,7 @@ from moetext import config as config_lib
 from moetext import models
 from moetext.checkpoint import shape_mismatches
 from moetext.config.schema import Config
-from moetext.convert.bounded_save import BoundedNumpyHandler, return_large_frees_to_os
+from moetext.convert.bounded_save import BoundedNumpyHandler
 from moetext.convert.hf import DTYPES, check_tensors, read_config, read_parts
 from moetext.convert.safetensors_io import SafetensorsReader
 from moetext.convert.staging import publish, refuse_existing, staging
@@ -155,7 +155,6 @@ def hf_to_orbax(
             var.set_value(_mapped(reader, t, target, scratch))
         # Orbax's NumPy handler deep-copies every leaf and writes them all at once: that would
         # copy the memory maps into anonymous memory as fast as the disk falls behind.
-        return_large_frees_to_os()
         writer = BoundedNumpyHandler(box_bytes=WRITE_BOX_BYTES, slots=WRITE_SLOTS)
         registry = ocp.type_handlers.create_type_handler_registry((np.ndarray, writer))
         handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_ocdbt=False)

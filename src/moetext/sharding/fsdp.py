@@ -12,11 +12,15 @@ axes split into (outer, inner) pairs of at most two torus dims (same devices, sa
 in which each token shard all-gathers the weight one sub-axis at a time
 (`kernels.gmm.gather.gather_weight`: cast to the compute dtype first, so the wire carries bf16)
 and multiplies its own tokens; the weight gradient, computed per shard, is reduce-scattered per
-sub-axis in the weight's dtype, as the experts' is. It applies inside
+sub-axis in the weight's dtype (f32 for f32 master weights), as the experts' is. The fused
+loss's LM head (train/loss.py) takes the same plan, a vocab chunk at a time, its gradient
+reduced in the compute dtype (the head is cast before the loss, as without the option). It
+applies inside
 `split_dense_gathers(True)` (config `sharding.split_dense_gathers`, entered by `Plan.rules`)
-when the weight is split over exactly the mesh axes that split the tokens (the fsdp preset);
-everywhere else (the default, no rules context, CPU, one- and two-dim slices, tensor or expert
-parallelism on the weight or tokens) it is `jnp.einsum(eq, x, w.astype(dtype))` and GSPMD
+when the weight is split over exactly the mesh axes that split the tokens (the fsdp preset,
+and fsdp_tp / fsdp_ep with tensor / expert = 1) and the sequence is not split; everywhere else
+(the default, no rules context, CPU, one- and two-dim slices, tensor or expert parallelism of
+size > 1) it is `jnp.einsum(eq, x, w.astype(dtype))` and GSPMD
 decides.
 
 Why it is off by default: which form is faster is not known without a TPU. GSPMD's all-reduce
@@ -84,6 +88,9 @@ def plan_for(w: jax.Array, names: Sequence[str | None]) -> ShardPlan | None:
     spec = logical.logical_to_mesh_spec(names, rules, mesh.axis_names)
     tokens = logical.logical_to_mesh_spec(TOKEN_NAMES, rules, mesh.axis_names)
     token_axes = [a for entry in tokens for a in _axes(entry) if mesh.shape[a] > 1]
+    if any(mesh.shape[a] > 1 for a in _axes(tokens[1])):
+        # Sequence-split tokens: the [B, S, ...] inputs' dim 0 is not their only split dim.
+        return None
     w_axes = [a for entry in spec for a in _axes(entry) if mesh.shape[a] > 1]
     # The per-shard matmul is the whole story only when the weight is split over exactly the
     # axes that split the tokens (pure FSDP): then gathering it makes the matmul local, and
@@ -93,11 +100,13 @@ def plan_for(w: jax.Array, names: Sequence[str | None]) -> ShardPlan | None:
     split, renames = torus.split_for_collectives(mesh, w_axes)
     if not renames:
         return None
-    gather: Gather = tuple(
-        (dim, torus.rename_axes(_axes(entry), renames))
+    # Only axes of size > 1 are gathered (a weight may name size-1 ones, e.g. vocab -> tensor
+    # under fsdp_tp with tensor = 1).
+    per_dim = [
+        (dim, tuple(a for a in torus.rename_axes(_axes(entry), renames) if split.shape[a] > 1))
         for dim, entry in enumerate(spec)
-        if _axes(entry)
-    )
+    ]
+    gather: Gather = tuple((dim, axes) for dim, axes in per_dim if axes)
     tok = torus.rename_axes(tuple(a for entry in tokens for a in _axes(entry)), renames)
     # Size-1 axes the tokens do not name are named too (no change of layout): shard_map's
     # transpose would otherwise psum the tokens' cotangent over them, a no-op all-reduce each.

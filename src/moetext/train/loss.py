@@ -42,7 +42,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from moetext.kernels.gmm.gather import Gather, all_gather_dims, gathered_shape, psum_scatter_dims
+from moetext.kernels.gmm.gather import (
+    Gather,
+    all_gather_dims,
+    gathered_shape,
+    psum_scatter_dims,
+)
 from moetext.sharding import fsdp
 from moetext.sharding.logical import constrain
 
@@ -81,11 +86,15 @@ def fused_masked_nll(
         )
     # B * S flattened batch-major: the token axis keeps the batch's sharding.
     h_TD = constrain(h_BSD.reshape(b * s, d), ("batch", "embed"))
-    w_VD, targets_T = head_VD.astype(h_BSD.dtype), targets_BS.reshape(b * s)
+    targets_T = targets_BS.reshape(b * s)
     plan = fsdp.plan_for(head_VD, HEAD_NAMES)
-    if plan is None:
-        nll_T = lm_head_nll(h_TD, w_VD, targets_T, chunk_size)
+    if plan is None or any(dim != 1 for dim, _ in plan.gather):
+        nll_T = lm_head_nll(h_TD, head_VD.astype(h_BSD.dtype), targets_T, chunk_size)
     else:  # sharding.split_dense_gathers on a 3D TPU slice: per token shard (sharding/fsdp.py)
+        # The head is cast first, as on the path above, so its chunks' gradients are
+        # reduce-scattered in the compute dtype. (In f32 they doubled those bytes and added 0.57
+        # GiB per chip to the 30B step on v5p:4x4x2, and were all-reduces still: a 1187-row
+        # chunk; docs/performance.md.)
         gather = plan.gather
         nll_T = jax.shard_map(
             lambda h, w, t: lm_head_nll(h, w, t, chunk_size, gather),
@@ -93,7 +102,7 @@ def fused_masked_nll(
             in_specs=(plan.tokens, plan.w_spec, plan.tokens),
             out_specs=plan.tokens,
             check_vma=False,  # the specs state the replication exactly (as in fsdp.project)
-        )(h_TD, w_VD, targets_T)
+        )(h_TD, head_VD.astype(h_BSD.dtype), targets_T)
     mask_T = mask_BS.reshape(b * s).astype(F32)
     return jnp.sum(nll_T * mask_T), jnp.sum(mask_T)
 
