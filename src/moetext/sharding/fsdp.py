@@ -14,14 +14,13 @@ in which each token shard all-gathers the weight one sub-axis at a time
 and multiplies its own tokens; the weight gradient, computed per shard, is reduce-scattered per
 sub-axis in the weight's dtype (f32 for f32 master weights), as the experts' is. The fused
 loss's LM head (train/loss.py) takes the same plan, a vocab chunk at a time, its gradient
-reduced in the compute dtype (the head is cast before the loss, as without the option). It
-applies inside
-`split_dense_gathers(True)` (config `sharding.split_dense_gathers`, entered by `Plan.rules`)
-when the weight is split over exactly the mesh axes that split the tokens (the fsdp preset,
-and fsdp_tp / fsdp_ep with tensor / expert = 1) and the sequence is not split; everywhere else
-(the default, no rules context, CPU, one- and two-dim slices, tensor or expert parallelism of
-size > 1) it is `jnp.einsum(eq, x, w.astype(dtype))` and GSPMD
-decides.
+reduced in the compute dtype (the head is cast before the loss, as without the option).
+
+It applies inside `split_dense_gathers(True)` (config `sharding.split_dense_gathers`, entered
+by `Plan.rules`) when the weight is split over exactly the mesh axes that split the tokens
+(the fsdp preset, and fsdp_tp / fsdp_ep with tensor / expert = 1) and the sequence is not
+split; everywhere else (the default, no rules context, CPU, one- and two-dim slices, tensor or
+expert parallelism of size > 1) it is `jnp.einsum(eq, x, w.astype(dtype))` and GSPMD decides.
 
 Why it is off by default: which form is faster is not known without a TPU. GSPMD's all-reduce
 runs on six rings at once over a v5p:4x4x4 (the compiler's `collective_algorithm_config`),
@@ -59,12 +58,6 @@ def split_dense_gathers(on: bool) -> Iterator[None]:
         _SPLIT.reset(token)
 
 
-def _axes(entry: object) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)  # type: ignore[arg-type]
-
-
 @dataclasses.dataclass(frozen=True)
 class ShardPlan:
     """How a per-token-shard matmul against an FSDP weight runs (all static)."""
@@ -87,11 +80,11 @@ def plan_for(w: jax.Array, names: Sequence[str | None]) -> ShardPlan | None:
     mesh, rules = ctx
     spec = logical.logical_to_mesh_spec(names, rules, mesh.axis_names)
     tokens = logical.logical_to_mesh_spec(TOKEN_NAMES, rules, mesh.axis_names)
-    token_axes = [a for entry in tokens for a in _axes(entry) if mesh.shape[a] > 1]
-    if any(mesh.shape[a] > 1 for a in _axes(tokens[1])):
+    token_axes = [a for entry in tokens for a in logical.as_axes(entry) if mesh.shape[a] > 1]
+    if any(mesh.shape[a] > 1 for a in logical.as_axes(tokens[1])):
         # Sequence-split tokens: the [B, S, ...] inputs' dim 0 is not their only split dim.
         return None
-    w_axes = [a for entry in spec for a in _axes(entry) if mesh.shape[a] > 1]
+    w_axes = [a for entry in spec for a in logical.as_axes(entry) if mesh.shape[a] > 1]
     # The per-shard matmul is the whole story only when the weight is split over exactly the
     # axes that split the tokens (pure FSDP): then gathering it makes the matmul local, and
     # reduce-scattering its gradient sums every token shard's part.
@@ -103,11 +96,16 @@ def plan_for(w: jax.Array, names: Sequence[str | None]) -> ShardPlan | None:
     # Only axes of size > 1 are gathered (a weight may name size-1 ones, e.g. vocab -> tensor
     # under fsdp_tp with tensor = 1).
     per_dim = [
-        (dim, tuple(a for a in torus.rename_axes(_axes(entry), renames) if split.shape[a] > 1))
+        (
+            dim,
+            tuple(
+                a for a in torus.rename_axes(logical.as_axes(entry), renames) if split.shape[a] > 1
+            ),
+        )
         for dim, entry in enumerate(spec)
     ]
     gather: Gather = tuple((dim, axes) for dim, axes in per_dim if axes)
-    tok = torus.rename_axes(tuple(a for entry in tokens for a in _axes(entry)), renames)
+    tok = torus.rename_axes(tuple(a for entry in tokens for a in logical.as_axes(entry)), renames)
     # Size-1 axes the tokens do not name are named too (no change of layout): shard_map's
     # transpose would otherwise psum the tokens' cotangent over them, a no-op all-reduce each.
     tok += tuple(a for a in split.axis_names if split.shape[a] == 1 and a not in tok)

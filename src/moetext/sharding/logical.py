@@ -29,7 +29,8 @@ _CURRENT: contextvars.ContextVar[Active | None] = contextvars.ContextVar(
 )
 
 
-def _as_axes(target: MeshAxes) -> tuple[str, ...]:
+def as_axes(target: MeshAxes) -> tuple[str, ...]:
+    """A rule target or PartitionSpec entry (an axis, a tuple of axes, None) as a tuple."""
     if target is None:
         return ()
     if isinstance(target, str):
@@ -57,7 +58,7 @@ def logical_to_mesh_spec(
             for logical, target in rules:
                 if logical != name:
                     continue
-                axes = _as_axes(target)
+                axes = as_axes(target)
                 if mesh_axis_names is not None:
                     axes = tuple(a for a in axes if a in mesh_axis_names)
                 if axes and not used.intersection(axes):

@@ -81,12 +81,6 @@ class EPLayout:
     exchange: str  # "ragged" | "padded" | "none" (P = 1)
 
 
-def _axes(entry: logical.MeshAxes) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _size(mesh: Mesh, axes: tuple[str, ...]) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
@@ -106,10 +100,10 @@ def layout_from_context(num_experts: int) -> EPLayout | None:
     names = mesh.axis_names
     w_in = logical.logical_to_mesh_spec(W_IN_NAMES, rules, names)
     w_out = logical.logical_to_mesh_spec(W_OUT_NAMES, rules, names)
-    exp_axes = _axes(w_in[0])
+    exp_axes = logical.as_axes(w_in[0])
     p = _size(mesh, exp_axes)
     tok = logical.logical_to_mesh_spec(TOKEN_NAMES, rules, names)
-    token_axes = _axes(tok[0]) + _axes(tok[1])
+    token_axes = logical.as_axes(tok[0]) + logical.as_axes(tok[1])
     if p <= 1:
         if _size(mesh, token_axes) <= 1:
             return None
@@ -159,7 +153,11 @@ def weight_gather(spec: PartitionSpec) -> gmm_lib.Gather:
     Dim 0 (experts) stays split: that is expert parallelism. gmm all-gathers the slice along
     these (FP8 under QAG) and reduce-scatters its gradient back.
     """
-    return tuple((dim, _axes(spec[dim])) for dim in range(1, len(spec)) if _axes(spec[dim]))
+    return tuple(
+        (dim, logical.as_axes(spec[dim]))
+        for dim in range(1, len(spec))
+        if logical.as_axes(spec[dim])
+    )
 
 
 def dropless(
