@@ -7,14 +7,15 @@ Where that axis spans all three dims of a v5p torus, XLA:TPU lowers such a reduc
 (v5p:2x2x2 and larger) and, on v5p:4x4x4 and larger, the all-gather itself as an all-reduce of
 the full weight (sharding/torus.py, docs/sharding.md).
 
-`project` makes the matmul explicit there: a `jax.shard_map` over the run's mesh with those
-axes split into (outer, inner) pairs of at most two torus dims (same devices, same shards),
-in which each token shard all-gathers the weight one sub-axis at a time
-(`kernels.gmm.gather.gather_weight`: cast to the compute dtype first, so the wire carries bf16)
-and multiplies its own tokens; the weight gradient, computed per shard, is reduce-scattered per
-sub-axis in the weight's dtype (f32 for f32 master weights), as the experts' is. The fused
-loss's LM head (train/loss.py) takes the same plan, a vocab chunk at a time, its gradient
-reduced in the compute dtype (the head is cast before the loss, as without the option).
+`models.layers.project.project` makes the matmul explicit there, on the plan made here: a
+`jax.shard_map` over the run's mesh with those axes split into (outer, inner) pairs of at most
+two torus dims (same devices, same shards), in which each token shard all-gathers the weight one
+sub-axis at a time (`kernels.gmm.gather.gather_weight`: cast to the compute dtype first, so the
+wire carries bf16) and multiplies its own tokens; the weight gradient, computed per shard, is
+reduce-scattered per sub-axis in the weight's dtype (f32 for f32 master weights), as the
+experts' is. The fused loss's LM head (train/loss.py) takes the same plan, a vocab chunk at a
+time, its gradient reduced in the compute dtype (the head is cast before the loss, as without
+the option).
 
 It applies inside `split_dense_gathers(True)` (config `sharding.split_dense_gathers`, entered
 by `Plan.rules`) when the weight is split over exactly the mesh axes that split the tokens
@@ -36,21 +37,20 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
-from jax.typing import DTypeLike
 
-from moetext.kernels.gmm.gather import Gather, gather_weight
 from moetext.sharding import logical, torus
 
 TOKEN_NAMES = ("batch", "length")
+# ((dim, (mesh axis, ...)), ...), as kernels.gmm.gather.Gather (sharding does not import kernels).
+Gather = tuple[tuple[int, tuple[str, ...]], ...]
 _SPLIT: contextvars.ContextVar[bool] = contextvars.ContextVar("moetext_split_dense", default=False)
 
 
 @contextlib.contextmanager
 def split_dense_gathers(on: bool) -> Iterator[None]:
-    """`project` takes the per-axis shard_map form inside this block when `on` (and the mesh
-    needs the split)."""
+    """`plan_for` makes plans (the dense matmuls take the per-axis shard_map form) inside this
+    block when `on` and the mesh needs the split."""
     token = _SPLIT.set(on)
     try:
         yield
@@ -111,26 +111,3 @@ def plan_for(w: jax.Array, names: Sequence[str | None]) -> ShardPlan | None:
     tok += tuple(a for a in split.axis_names if split.shape[a] == 1 and a not in tok)
     tok_spec = PartitionSpec(tok or None)  # type: ignore[no-untyped-call]  # jax: PartitionSpec.__new__ unannotated
     return ShardPlan(split, gather, torus.rename_spec(spec, renames), tok_spec)
-
-
-def project(
-    eq: str, x: jax.Array, w: jax.Array, w_names: Sequence[str | None], dtype: DTypeLike
-) -> jax.Array:
-    """jnp.einsum(eq, x, w.astype(dtype)) for tokens x split along dim 0 (which `eq` keeps as
-    the output's dim 0) and a weight with logical axes `w_names`. On a mesh whose FSDP axes span
-    three torus dims, it runs per token shard in a shard_map over the split mesh, gathering w
-    one sub-axis at a time and reduce-scattering its gradient the same way; else as written."""
-    plan = plan_for(w, w_names)
-    if plan is None:
-        return jnp.einsum(eq, x, w.astype(dtype))
-    gather = plan.gather
-    out: jax.Array = jax.shard_map(
-        lambda x_, w_: jnp.einsum(eq, x_, gather_weight(w_, gather, dtype)),
-        mesh=plan.mesh,
-        in_specs=(plan.tokens, plan.w_spec),
-        out_specs=plan.tokens,
-        # gather_weight's custom_vjp hides the all-gathers' replication from the vma checker;
-        # the specs state it exactly.
-        check_vma=False,
-    )(x, w)
-    return out

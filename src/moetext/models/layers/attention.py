@@ -16,9 +16,9 @@ from flax import nnx
 from moetext.config.schema import ModelConfig
 from moetext.models.layers.norms import RMSNorm
 from moetext.models.layers.params import as_dtype, make_param, normal, zeros
+from moetext.models.layers.project import project
 from moetext.models.layers.rope import apply_rope
 from moetext.models.layers.rowdot import dot_rows
-from moetext.sharding.fsdp import project
 
 # Self-attention over more than this many queries runs a block of queries at a time (see
 # `attend`): the [B, K, G, S, T] f32 scores and their gradient are never whole.

@@ -11,7 +11,7 @@ from flax import nnx
 from jax.typing import DTypeLike
 
 from moetext.models.layers.params import make_param, normal
-from moetext.sharding.fsdp import project
+from moetext.models.layers.project import project
 
 W_NAMES = ("embed", None)
 
