@@ -148,6 +148,7 @@ def _dense_step_ops(topology: str, split_dense: bool) -> set[tuple[str, str]]:
     from jax.sharding import NamedSharding
 
     from moetext import aot
+    from moetext.models.layers.project import project
     from moetext.sharding import fsdp, load_preset, logical
     from moetext.train.loss import fused_masked_nll
 
@@ -156,8 +157,8 @@ def _dense_step_ops(topology: str, split_dense: bool) -> set[tuple[str, str]]:
     d, f, v, t = 8192, 4096, 8192, 16 * mesh.size  # a 64 MiB bf16 weight, as above
 
     def loss(x, w, head, targets):
-        y = fsdp.project("td,df->tf", x, w, ("embed", "mlp"), jnp.bfloat16)
-        h = fsdp.project("tf,df->td", y, w, ("embed", "mlp"), jnp.bfloat16)
+        y = project("td,df->tf", x, w, ("embed", "mlp"), jnp.bfloat16)
+        h = project("tf,df->td", y, w, ("embed", "mlp"), jnp.bfloat16)
         nll, _ = fused_masked_nll(
             h[None], head, targets[None], jnp.ones_like(targets)[None], chunk_size=2048
         )
