@@ -86,10 +86,10 @@ def fused_masked_nll(
         )
     # B * S flattened batch-major: the token axis keeps the batch's sharding.
     h_TD = constrain(h_BSD.reshape(b * s, d), ("batch", "embed"))
-    targets_T = targets_BS.reshape(b * s)
+    w_VD, targets_T = head_VD.astype(h_BSD.dtype), targets_BS.reshape(b * s)
     plan = fsdp.plan_for(head_VD, HEAD_NAMES)
     if plan is None or any(dim != 1 for dim, _ in plan.gather):
-        nll_T = lm_head_nll(h_TD, head_VD.astype(h_BSD.dtype), targets_T, chunk_size)
+        nll_T = lm_head_nll(h_TD, w_VD, targets_T, chunk_size)
     else:  # sharding.split_dense_gathers on a 3D TPU slice: per token shard (sharding/fsdp.py)
         # The head is cast first, as on the path above, so its chunks' gradients are
         # reduce-scattered in the compute dtype. (In f32 they doubled those bytes and added 0.57
@@ -101,8 +101,8 @@ def fused_masked_nll(
             mesh=plan.mesh,
             in_specs=(plan.tokens, plan.w_spec, plan.tokens),
             out_specs=plan.tokens,
-            check_vma=False,  # the specs state the replication exactly (as in fsdp.project)
-        )(h_TD, head_VD.astype(h_BSD.dtype), targets_T)
+            check_vma=False,  # the specs state the replication exactly (as in layers/project.py)
+        )(h_TD, w_VD, targets_T)
     mask_T = mask_BS.reshape(b * s).astype(F32)
     return jnp.sum(nll_T * mask_T), jnp.sum(mask_T)
 
