@@ -188,10 +188,8 @@ def test_split_dense_gathers_keeps_the_weight_gathers_all_gathers_on_a_4x4x4_tor
     assert {("all-reduce", full_w), ("all-reduce", full_chunk)} <= off, sorted(off)
     on = _dense_step_ops("v5p:4x4x4", split_dense=True)
     assert {("all-gather", full_w), ("all-gather", full_chunk)} <= on, sorted(on)
-    assert ("reduce-scatter", "f32[128,4096]") in on, sorted(on)  # the weight's inner stage
-    # Left as an all-reduce: the LM-head chunk gradient's 16-chip stage (bf16 [2048, 2048] to
-    # 128-column shards, which XLA:TPU runs as an all-reduce for bf16 even in a standalone
-    # psum_scatter over a 2D plane; an f32 or wider result is a reduce-scatter), a quarter of
-    # a chunk. Nothing weight- or chunk-sized.
-    small = [s for op, s in on if op == "all-reduce"]
-    assert small == ["bf16[2048,2048]"], sorted(on)
+    # The gradients' inner (16-chip) stage: the weight's, and the LM-head chunk's, computed as
+    # [D, C] so that D, the dim scattered, is major (scattered along the minor dim of a [C, D]
+    # it ran as an all-reduce of the chunk and a slice).
+    assert {("reduce-scatter", "f32[128,4096]"), ("reduce-scatter", "bf16[128,2048]")} <= on
+    assert not [s for op, s in on if op == "all-reduce"], sorted(on)

@@ -246,17 +246,32 @@ def _nll_bwd(
         dh_TD = dh_TD + lax.dot_general(
             dlogits_TC, w_CD, (((1,), (0,)), ((), ())), preferred_element_type=F32
         )
+        if gather:
+            # This shard's tokens' part -> the sum over shards of this shard's slice. Computed
+            # as [D, C] and scattered along D as the major dim: scattered along the minor dim
+            # of a row-major [C, D], XLA:TPU runs each stage as an all-reduce of the whole
+            # chunk and a slice (docs/performance.md, "Dense weights gathered one split axis
+            # at a time").
+            dw_DC = lax.dot_general(
+                h_TD, dlogits_TC, (((0,), (0,)), ((), ())), preferred_element_type=F32
+            )
+            return dh_TD, psum_scatter_dims(dw_DC.astype(w_VD.dtype), _transposed(gather))
         dw_CD = lax.dot_general(
             dlogits_TC, h_TD, (((0,), (0,)), ((), ())), preferred_element_type=F32
         )
-        if gather:  # this shard's tokens' part -> the sum over shards of this shard's slice
-            return dh_TD, psum_scatter_dims(dw_CD.astype(w_VD.dtype), gather)
         return dh_TD, constrain(dw_CD.astype(w_VD.dtype), ("vocab", "embed"))
 
-    dh_TD, dw_NCD = lax.scan(body, jnp.zeros((t, d), F32), jnp.arange(n, dtype=jnp.int32))
-    # Back from chunk-major [N, C, D] to row order a * N + j, then drop the padding.
-    dw_VD = jnp.swapaxes(dw_NCD, 0, 1).reshape(n * c, d_w)[:vocab]
+    dh_TD, dw_N = lax.scan(body, jnp.zeros((t, d), F32), jnp.arange(n, dtype=jnp.int32))
+    # Back from chunk-major [N, C, D] (gathered: [N, D, C]) to row order a * N + j, then drop
+    # the padding.
+    dw_CND = jnp.transpose(dw_N, (2, 0, 1) if gather else (1, 0, 2))
+    dw_VD = dw_CND.reshape(n * c, d_w)[:vocab]
     return dh_TD.astype(h_TD.dtype), dw_VD, None
+
+
+def _transposed(gather: Gather) -> Gather:
+    """`gather` of a [C, D] chunk (D only, lm_head_nll checks) as the gather of its [D, C]."""
+    return tuple((1 - dim, axes) for dim, axes in gather)
 
 
 _nll.defvjp(_nll_fwd, _nll_bwd)
