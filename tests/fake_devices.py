@@ -25,7 +25,8 @@ def worker_env(devices: int) -> dict[str, str]:
         os.environ,
         XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
         JAX_PLATFORMS="cpu",
-        PYTHONPATH=str(REPO / "src"),
+        # tests/ too: workers import this module's helpers as `fake_devices`, as tests do.
+        PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO / "tests")]),
     )
     for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(key, None)
@@ -58,3 +59,18 @@ def running(cmd: Sequence[str], **popen: Any) -> Iterator[subprocess.Popen[str]]
         finally:
             if proc.poll() is None:
                 proc.kill()
+
+
+@contextmanager
+def split_like_a_3d_slice() -> Iterator[None]:
+    """In a worker: moetext.sharding.torus.split_for_collectives splits every mesh axis of 8
+    devices into 2 x 4, as it does a weight-gather axis spanning three dims of a TPU torus (fake
+    CPU devices have no torus)."""
+    from moetext.sharding import torus
+
+    real = torus._inner_size
+    torus._inner_size = lambda lines: 4 if len(lines[0]) == 8 else None
+    try:
+        yield
+    finally:
+        torus._inner_size = real

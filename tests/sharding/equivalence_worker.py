@@ -9,10 +9,8 @@ train steps, and the PartitionSpecs of a few parameters.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +20,10 @@ import moetext  # noqa: F401  (quiets libtpu's TPU probing where there is no TPU
 import jax
 import numpy as np
 
+from fake_devices import split_like_a_3d_slice
 from moetext import config
 from moetext import data as data_lib
 from moetext.kernels.gmm import gather
-from moetext.sharding import torus
 from moetext.train import loop
 from moetext.train.step import make_loss_fn, make_train_step
 
@@ -128,17 +126,6 @@ def run_setting(name: str, overrides: list[str]) -> dict[str, Any]:
 def collective_counts(hlo: str) -> dict[str, int]:
     ops = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
     return {op: len(re.findall(rf"= \S+ {op}(?:-start)?\(", hlo)) for op in ops}
-
-
-@contextlib.contextmanager
-def split_like_a_3d_slice() -> Iterator[None]:
-    """torus.split_for_collectives splits every mesh axis of 8 devices into 2 x 4."""
-    real = torus._inner_size
-    torus._inner_size = lambda lines: 4 if len(lines[0]) == 8 else None
-    try:
-        yield
-    finally:
-        torus._inner_size = real
 
 
 def max_rel(a: Any, b: Any) -> float:

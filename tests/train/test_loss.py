@@ -44,6 +44,23 @@ def test_chunking_splits_evenly_when_it_can(vocab, chunk, want):
     assert c <= chunk and n * c >= vocab and n * c - vocab < n
 
 
+@pytest.mark.parametrize(
+    ("vocab", "chunk", "want"),
+    [
+        (151936, 2048, (99, 1536)),  # 128 rows padded; 75 x 2048 would pad 1664
+        (32000, 2048, (25, 1280)),  # exact
+        (512, 4096, (1, 512)),
+        (100, 7, (1, 128)),  # chunk_size below the multiple: one multiple
+    ],
+)
+def test_chunking_in_multiples_pads_the_fewest_rows(vocab, chunk, want):
+    # The split_dense_gathers path: chunk rows a multiple of 128 (loss._multiple).
+    n, c = chunking(vocab, chunk, 128)
+    assert (n, c) == want
+    assert c % 128 == 0 and c <= max(chunk, 128) and n * c >= vocab
+    assert n <= 2 * -(-vocab // max(chunk // 128 * 128, 128))
+
+
 def _reference(h_TD, w_VD, targets_T, mask_T):
     """float64: (sum of masked NLL, dloss/dh, dloss/dw, dlogits) from the full logits."""
     h, w = np.asarray(h_TD, np.float64), np.asarray(w_VD, np.float64)
@@ -233,6 +250,12 @@ def test_training_loss_curve_is_unchanged_by_the_fused_loss():
 
 def test_sharded_fused_loss_matches_the_one_device_logits_loss():
     r = run_worker("tests.train.loss_sharded_worker", timeout_s=1500)
+    # fsdp_split-fused-v500: the head gathered per chunk in a shard_map (split_dense_gathers),
+    # 4 chunks of 128 rows for V = 500, against the one-device logits loss at V = 500.
+    assert set(r) == {"single-logits", "fsdp-fused", "fsdp_tp-logits", "fsdp_tp-fused"} | {
+        "single-logits-v500",
+        "fsdp_split-fused-v500",
+    }, sorted(r)
     for name, res in r.items():
         # f32 compute: sharding and chunking only reorder reductions (measured <= 2.3e-7 loss,
         # 1.1e-6 of each gradient's largest entry; tests/sharding/test_equivalence.py's bounds).
@@ -243,3 +266,5 @@ def test_sharded_fused_loss_matches_the_one_device_logits_loss():
     # more all-to-alls over "tensor" (the head reshuffled before the forward and the backward
     # loop: 3 vs the logits path's 1, the MoE layer's).
     assert r["fsdp_tp-fused"]["all_to_alls"] == r["fsdp_tp-logits"]["all_to_alls"], r
+    # The split run reduce-scatters each dense gradient per sub-axis, the head's per chunk.
+    assert r["fsdp_split-fused-v500"]["reduce_scatters"] > r["fsdp-fused"]["reduce_scatters"], r

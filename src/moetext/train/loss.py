@@ -107,12 +107,25 @@ def fused_masked_nll(
     return jnp.sum(nll_T * mask_T), jnp.sum(mask_T)
 
 
-def chunking(vocab: int, chunk_size: int) -> tuple[int, int]:
+def chunking(vocab: int, chunk_size: int, multiple: int = 1) -> tuple[int, int]:
     """(N, C): N chunks of C <= chunk_size rows covering `vocab`. The fewest chunks that split
     it evenly when that is at most twice the minimum ceil(vocab / chunk_size) (32000 by 2048:
-    16 x 2000; 151936 by 2048: 128 x 1187), else the minimum, the last row of some chunks padded."""
-    if vocab < 1 or chunk_size < 1:
-        raise ValueError(f"vocab ({vocab}) and chunk_size ({chunk_size}) must be >= 1")
+    16 x 2000; 151936 by 2048: 128 x 1187), else the minimum, the last row of some chunks padded.
+
+    multiple > 1: C a multiple of it (chunk_size rounded down to one, at least `multiple`),
+    the N within twice the minimum that pads the fewest rows, ties to fewer chunks (151936 by
+    2048 in multiples of 128: 99 x 1536, 128 rows padded)."""
+    if vocab < 1 or chunk_size < 1 or multiple < 1:
+        raise ValueError(
+            f"vocab ({vocab}), chunk_size ({chunk_size}) and multiple ({multiple}) must be >= 1"
+        )
+    if multiple > 1:
+        most = max(chunk_size // multiple, 1)  # C = k * multiple, k <= most
+        least = math.ceil(vocab / (most * multiple))
+        options = [(math.ceil(vocab / (k * multiple)), k * multiple) for k in range(most, 0, -1)]
+        return min(
+            ((n, c) for n, c in options if n <= 2 * least), key=lambda nc: (nc[0] * nc[1], nc[0])
+        )
     least = math.ceil(vocab / chunk_size)
     for n in range(least, min(2 * least, vocab) + 1):
         if vocab % n == 0:
@@ -188,7 +201,7 @@ def _logsumexp_and_target(
 ) -> tuple[jax.Array, jax.Array]:
     """(lse_T, target logit_T), float32, one vocab chunk at a time."""
     (t, _), vocab = h_TD.shape, w_VD.shape[0]
-    n, c = chunking(vocab, chunk_size)
+    n, c = chunking(vocab, chunk_size, _multiple(gather))
     w_CND = _chunked(w_VD, n, c)
 
     def body(
@@ -232,7 +245,7 @@ def _nll_bwd(
 ) -> tuple[jax.Array, jax.Array, None]:
     h_TD, w_VD, targets_T, lse_T = res
     (t, d), (vocab, d_w) = h_TD.shape, w_VD.shape
-    n, c = chunking(vocab, chunk_size)
+    n, c = chunking(vocab, chunk_size, _multiple(gather))
     w_CND = _chunked(w_VD, n, c)
     dnll_T = dnll_T.astype(F32)
 
@@ -267,6 +280,15 @@ def _nll_bwd(
     dw_CND = jnp.transpose(dw_N, (2, 0, 1) if gather else (1, 0, 2))
     dw_VD = dw_CND.reshape(n * c, d_w)[:vocab]
     return dh_TD.astype(h_TD.dtype), dw_VD, None
+
+
+def _multiple(gather: Gather) -> int:
+    """Chunk rows a multiple of 128 (TPU lanes) when each chunk's gradient is reduce-scattered
+    in the shard_map (gather): XLA:TPU runs the reduce-scatter of a [D, 1187] chunk gradient
+    as an all-reduce and a slice, of a [D, 1536] one as a reduce-scatter (docs/performance.md,
+    "Dense weights gathered one split axis at a time"). GSPMD's collectives (no gather) do not
+    change with it, and CPU chunks keep the exact split."""
+    return 128 if gather else 1
 
 
 def _transposed(gather: Gather) -> Gather:
