@@ -34,10 +34,21 @@ def test_torus_dims_counts_the_coordinates_that_vary():
 
 
 def test_inner_size_splits_a_3d_line_into_planes_and_lines():
-    assert torus._inner_size([chips(2, 2, 2)]) == 4  # 2 planes of 2 x 2
-    assert torus._inner_size([chips(4, 4, 2)]) == 16  # 2 planes of 4 x 4
-    assert torus._inner_size([chips(2, 2, 1)]) is None  # already within two dims
-    assert torus._inner_size([chips(8, 1, 1)]) is None
+    assert torus._inner_size([chips(2, 2, 2)], 8) == 4  # 2 planes of 2 x 2
+    assert torus._inner_size([chips(4, 4, 2)], 32) == 16  # 2 planes of 4 x 4
+    assert torus._inner_size([chips(2, 2, 1)], 4) is None  # already within two dims
+    assert torus._inner_size([chips(8, 1, 1)], 8) is None
+
+
+def test_inner_size_splits_a_whole_square_2d_slice_into_halves():
+    # XLA:TPU reduce-scatters over a whole n x n slice (n >= 4) as an all-reduce.
+    assert torus._inner_size([chips(4, 4, 1)], 16) == 8  # 2 halves of 4 x 2
+    assert torus._inner_size([chips(16, 16, 1)], 256) == 128
+    assert torus._inner_size([chips(8, 16, 1)], 128) is None  # not square
+    assert torus._inner_size([chips(2, 2, 1)], 4) is None  # side 2
+    # A 4 x 4 plane that is not the whole slice (of a 4x4x4, or one of several data slices)
+    # keeps its reduce-scatter.
+    assert torus._inner_size([chips(4, 4, 1)], 64) is None
 
 
 def test_rename_spec_keeps_the_layout():
@@ -69,8 +80,11 @@ def _fsdp_mesh(topology: str):
 @pytest.mark.parametrize(
     ("topology", "split"),
     [
-        ("v5p:2x2x1", None),  # a 2D slice: nothing to split
-        ("v6e:4x4", None),
+        ("v5p:2x2x1", None),  # a 2 x 2 slice: nothing to split
+        ("v6e:8x16", None),  # not square
+        ("v6e:4x4", (2, 8)),  # a whole square 2D slice: halves
+        ("v6e:16x16", (2, 128)),
+        ("v5p:4x4x1", (2, 8)),
         ("v5p:2x2x2", (2, 4)),
         ("v5p:4x4x2", (4, 8)),
         ("v5p:8x4x4", (8, 16)),
@@ -89,6 +103,45 @@ def test_split_of_real_topologies_keeps_every_shard_on_its_device(topology, spli
     assert all(torus.torus_dims(line) <= 2 for line in lines)
     lines = torus._lines(out.devices, out.axis_names.index("fsdp_outer"))
     assert all(torus.torus_dims(line) <= 2 for line in lines)
+
+
+def _scatter_ops(mesh) -> set[str]:
+    """The collective ops of a compiled reduce-scatter of each device's f32 [4096, 4096]
+    partial sum over every fsdp device of `mesh`, one fsdp mesh axis at a time."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from moetext import aot
+    from moetext.kernels.gmm.gather import psum_scatter_dims
+
+    axes = tuple(a for a in mesh.axis_names if a.startswith("fsdp"))
+
+    def scatter(parts):
+        return jax.shard_map(
+            lambda x: psum_scatter_dims(x[0], ((0, axes),)),
+            mesh=mesh,
+            in_specs=P(axes),
+            out_specs=P(axes),
+        )(parts)
+
+    parts = jax.ShapeDtypeStruct(
+        (mesh.size, 4096, 4096), jnp.float32, sharding=NamedSharding(mesh, P(axes))
+    )
+    text = jax.jit(scatter).lower(parts).compile().as_text() or ""
+    return {op for op, _ in aot.collectives(text, by="shape")}
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("topology", ["v6e:8x8", "v5p:4x4x1"])
+def test_reduce_scatter_over_a_whole_square_2d_slice_needs_the_split(topology):
+    # The compiler behaviour behind torus._whole_square_slice: over all 64 (16) chips the
+    # reduce-scatter is an all-reduce of the whole operand; over the split mesh (two halves,
+    # then pairs) it stays a reduce-scatter.
+    mesh = _fsdp_mesh(topology)
+    assert _scatter_ops(mesh) == {"all-reduce"}
+    split, renames = torus.split_for_collectives(mesh, ["fsdp"])
+    assert renames and "all-reduce" not in _scatter_ops(split)
 
 
 def _gather_ops(mesh, steps: list[P]) -> list[str]:

@@ -6,10 +6,14 @@ operand plus a dynamic-slice, and on v5p:4x4x4 and larger an all-gather as an al
 An all-reduce moves about twice the bytes of either, and in place of a reduce-scatter it holds
 the full-size operand; a group spanning one or two torus dims keeps the real collective.
 (Compiled with libtpu for v5p:2x2x1/2x2x2/4x4x2/4x4x4/8x4x4, docs/performance.md "Expert-weight
-gradients".)
+gradients".) A reduce-scatter over a whole square 2D slice of side 4 or more (v5e/v6e 4x4, 8x8,
+16x16, v5p:4x4x1) is an all-reduce too, though the same group inside a larger slice (a 4 x 4
+plane of v5p:4x4x4), a non-square one (v6e:8x16) or part of a slice (a 4 x 8 half of v6e:8x8)
+keeps the reduce-scatter (docs/sharding.md, "3D TPU slices").
 
 `split_for_collectives` therefore describes the same devices with each such mesh axis split
-in two, an outer and an inner axis that each span at most two torus dims. A shard_map over
+in two, an outer and an inner axis that each span at most two torus dims and neither a whole
+square slice. A shard_map over
 the split mesh whose collectives run one axis at a time (kernels/gmm/gather.py) gets two real
 reduce-scatters (all-gathers) where the one over the whole axis became an all-reduce. Arrays
 keep their layout: the split axis `a` is the pair (a_outer, a_inner) in the same device order,
@@ -26,6 +30,7 @@ where per-axis all-gathers use a 1D emitter (docs/sharding.md, "3D TPU slices").
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
@@ -33,6 +38,8 @@ from jax.sharding import Mesh, PartitionSpec
 # A collective's device group may span this many torus dims before XLA:TPU lowers it as an
 # all-reduce.
 MAX_TORUS_DIMS = 2
+# ... and, spanning two, be a whole square slice of a side below this.
+MIN_SQUARE_SIDE = 4
 
 Renames = dict[str, tuple[str, ...]]
 
@@ -53,17 +60,31 @@ def _lines(devices: np.ndarray, k: int) -> list[list[object]]:
     return [list(row) for row in moved.reshape(-1, moved.shape[-1])]
 
 
-def _inner_size(lines: list[list[object]]) -> int | None:
-    """The largest inner size b (outer n / b) for which every block of b consecutive devices
-    and every stride-b group of each line spans at most MAX_TORUS_DIMS torus dims; None when
-    the whole line already does (no split needed) or no split helps."""
+def _whole_square_slice(group: Sequence[Any], slice_size: int) -> bool:
+    """Whether `group` is every chip of a 2D slice of n x n chips, n >= MIN_SQUARE_SIDE."""
+    if len(group) != slice_size or torus_dims(group) != 2:
+        return False
+    arr = np.asarray([d.coords for d in group])
+    extents = [int(e) for e in arr.max(axis=0) - arr.min(axis=0) + 1 if e > 1]
+    return extents[0] == extents[1] >= MIN_SQUARE_SIDE and len(group) == extents[0] ** 2
+
+
+def _needs_split(group: Sequence[object], slice_size: int) -> bool:
+    """Whether XLA:TPU lowers a reduce-scatter over `group` (of a slice of slice_size chips)
+    as an all-reduce: three torus dims spanned, or a whole square 2D slice."""
+    return torus_dims(group) > MAX_TORUS_DIMS or _whole_square_slice(group, slice_size)
+
+
+def _inner_size(lines: list[list[object]], slice_size: int) -> int | None:
+    """The largest inner size b (outer n / b) for which no block of b consecutive devices and
+    no stride-b group of any line needs a split (_needs_split); None when no whole line needs
+    one or no split helps."""
     n = len(lines[0])
-    if all(torus_dims(line) <= MAX_TORUS_DIMS for line in lines):
+    if not any(_needs_split(line, slice_size) for line in lines):
         return None
     for b in sorted((b for b in range(2, n) if n % b == 0), reverse=True):
-        ok = all(
-            torus_dims(line[i : i + b]) <= MAX_TORUS_DIMS
-            and torus_dims(line[j::b]) <= MAX_TORUS_DIMS
+        ok = not any(
+            _needs_split(line[i : i + b], slice_size) or _needs_split(line[j::b], slice_size)
             for line in lines
             for i in range(0, n, b)
             for j in range(b)
@@ -74,17 +95,20 @@ def _inner_size(lines: list[list[object]]) -> int | None:
 
 
 def split_for_collectives(mesh: Mesh, axes: Iterable[str]) -> tuple[Mesh, Renames]:
-    """(mesh', renames): `mesh` with each of `axes` that spans three torus dims split into
-    (axis_outer, axis_inner) spanning at most two each, same devices in the same order; renames
-    maps each split axis to its pair. Unchanged (and {}) where nothing needs splitting: CPU
-    devices, one- and two-dim slices, axes already within two torus dims."""
+    """(mesh', renames): `mesh` with each of `axes` that spans three torus dims or a whole
+    square 2D slice split into (axis_outer, axis_inner), each spanning at most two dims and
+    neither a whole square slice, same devices in the same order; renames maps each split axis
+    to its pair. Unchanged (and {}) where nothing needs splitting: CPU devices, one-dim and
+    non-square two-dim slices, axes already within two torus dims."""
     names, devices = list(mesh.axis_names), mesh.devices
+    slices = {getattr(d, "slice_index", 0) for d in devices.flat}
+    slice_size = devices.size // len(slices)
     renames: Renames = {}
     for axis in dict.fromkeys(axes):
         k = names.index(axis)
         if devices.shape[k] <= 1:
             continue
-        b = _inner_size(_lines(devices, k))
+        b = _inner_size(_lines(devices, k), slice_size)
         if b is None:
             continue
         shape = devices.shape[:k] + (devices.shape[k] // b, b) + devices.shape[k + 1 :]
