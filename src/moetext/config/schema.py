@@ -328,10 +328,10 @@ class ShardingConfig:
     split_dense_gathers: bool = False
     """Run the dense layers' FSDP matmuls (attention, dense MLP, router, the fused loss's LM
     head) per token shard in a shard_map on the torus-split mesh, so that on a 3D TPU slice
-    their weight gathers and gradient reduce-scatters are per-axis all-gathers / reduce-scatters
-    rather than GSPMD's one collective (an all-reduce from v5p:4x4x4 up). Pure FSDP only
-    (tensor / expert axes of size 1); no effect on CPU or 2D slices. Off: GSPMD decides
-    (docs/sharding.md, "3D TPU slices")."""
+    (or a whole square 2D one, 4x4 and up) their weight gathers and gradient reduce-scatters
+    are per-axis all-gathers / reduce-scatters rather than GSPMD's one collective (an
+    all-reduce from v5p:4x4x4 up). Pure FSDP only (tensor / expert axes of size 1); no effect
+    on CPU or other 2D slices. Off: GSPMD decides (docs/sharding.md, "3D TPU slices")."""
 
 
 @dataclass(frozen=True)
