@@ -1,5 +1,6 @@
 """moetext.sharding.torus: mesh axes split so that no collective's device group spans three
-torus dims (XLA:TPU lowers such reduce-scatters, and on large slices all-gathers, as all-reduces).
+torus dims or a whole square 2D slice (XLA:TPU lowers such reduce-scatters, and on large 3D
+slices all-gathers, as all-reduces).
 
 Pure logic on devices that only carry coordinates, then the split of real v5p/v6e topologies'
 meshes (libtpu describes the chips; nothing compiles). The compiled collectives of the train
@@ -49,6 +50,14 @@ def test_inner_size_splits_a_whole_square_2d_slice_into_halves():
     # A 4 x 4 plane that is not the whole slice (of a 4x4x4, or one of several data slices)
     # keeps its reduce-scatter.
     assert torus._inner_size([chips(4, 4, 1)], 64) is None
+    # Two cores per chip: 32 devices on 4 x 4 chips are the whole square slice.
+    two_core = [d for c in chips(4, 4, 1) for d in (c, SimpleNamespace(coords=c.coords))]
+    assert torus._inner_size([two_core], 32) == 16
+    # Halves of two slices (slice_index 0 and 1) are not one slice.
+    halves = [
+        SimpleNamespace(coords=c.coords, slice_index=i // 8) for i, c in enumerate(chips(4, 4, 1))
+    ]
+    assert torus._inner_size([halves], 16) is None
 
 
 def test_rename_spec_keeps_the_layout():
@@ -99,15 +108,14 @@ def test_split_of_real_topologies_keeps_every_shard_on_its_device(topology, spli
     assert renames == {"fsdp": ("fsdp_outer", "fsdp_inner")}
     assert (out.shape["fsdp_outer"], out.shape["fsdp_inner"]) == split
     np.testing.assert_array_equal(out.devices.reshape(mesh.devices.shape), mesh.devices)
-    lines = torus._lines(out.devices, out.axis_names.index("fsdp_inner"))
-    assert all(torus.torus_dims(line) <= 2 for line in lines)
-    lines = torus._lines(out.devices, out.axis_names.index("fsdp_outer"))
-    assert all(torus.torus_dims(line) <= 2 for line in lines)
+    for axis in ("fsdp_inner", "fsdp_outer"):
+        lines = torus._lines(out.devices, out.axis_names.index(axis))
+        assert not any(torus._needs_split(line, mesh.size) for line in lines), axis
 
 
-def _scatter_ops(mesh) -> set[str]:
-    """The collective ops of a compiled reduce-scatter of each device's f32 [4096, 4096]
-    partial sum over every fsdp device of `mesh`, one fsdp mesh axis at a time."""
+def _scatter_ops(mesh, dtype: str = "float32") -> set[str]:
+    """The collective ops of a compiled reduce-scatter of each device's [4096, 4096] partial
+    sum over every fsdp device of `mesh`, one fsdp mesh axis at a time."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -126,22 +134,25 @@ def _scatter_ops(mesh) -> set[str]:
         )(parts)
 
     parts = jax.ShapeDtypeStruct(
-        (mesh.size, 4096, 4096), jnp.float32, sharding=NamedSharding(mesh, P(axes))
+        (mesh.size, 4096, 4096), jnp.dtype(dtype), sharding=NamedSharding(mesh, P(axes))
     )
     text = jax.jit(scatter).lower(parts).compile().as_text() or ""
     return {op for op, _ in aot.collectives(text, by="shape")}
 
 
 @pytest.mark.tpu_aot
-@pytest.mark.parametrize("topology", ["v6e:8x8", "v5p:4x4x1"])
-def test_reduce_scatter_over_a_whole_square_2d_slice_needs_the_split(topology):
+@pytest.mark.parametrize(
+    ("topology", "dtype"),
+    [("v6e:8x8", "float32"), ("v6e:8x8", "bfloat16"), ("v5p:4x4x1", "float32")],
+)
+def test_reduce_scatter_over_a_whole_square_2d_slice_needs_the_split(topology, dtype):
     # The compiler behaviour behind torus._whole_square_slice: over all 64 (16) chips the
     # reduce-scatter is an all-reduce of the whole operand; over the split mesh (two halves,
     # then pairs) it stays a reduce-scatter.
     mesh = _fsdp_mesh(topology)
-    assert _scatter_ops(mesh) == {"all-reduce"}
+    assert _scatter_ops(mesh, dtype) == {"all-reduce"}
     split, renames = torus.split_for_collectives(mesh, ["fsdp"])
-    assert renames and "all-reduce" not in _scatter_ops(split)
+    assert renames and "all-reduce" not in _scatter_ops(split, dtype)
 
 
 def _gather_ops(mesh, steps: list[P]) -> list[str]:

@@ -67,6 +67,9 @@ def run_setting(overrides: list[str], devices: int) -> dict[str, Any]:
         "grads": jax.tree.map(np.asarray, jax.device_get(grads)),
         "all_to_alls": len(re.findall(r" all-to-all\(", compiled.as_text())),
         "reduce_scatters": len(re.findall(r" reduce-scatter\(", compiled.as_text())),
+        "reduce_scatter_shapes": sorted(
+            set(re.findall(r"= (\w+\[[\d,]*\])\S* reduce-scatter\(", compiled.as_text()))
+        ),
     }
 
 
@@ -88,6 +91,7 @@ def main() -> None:
             "grad_rel": max(jax.tree.leaves(errs)),
             "all_to_alls": r["all_to_alls"],
             "reduce_scatters": r["reduce_scatters"],
+            "reduce_scatter_shapes": r["reduce_scatter_shapes"],
         }
     print("RESULT " + json.dumps(out), flush=True)
 

@@ -266,5 +266,7 @@ def test_sharded_fused_loss_matches_the_one_device_logits_loss():
     # more all-to-alls over "tensor" (the head reshuffled before the forward and the backward
     # loop: 3 vs the logits path's 1, the MoE layer's).
     assert r["fsdp_tp-fused"]["all_to_alls"] == r["fsdp_tp-logits"]["all_to_alls"], r
-    # The split run reduce-scatters each dense gradient per sub-axis, the head's per chunk.
-    assert r["fsdp_split-fused-v500"]["reduce_scatters"] > r["fsdp-fused"]["reduce_scatters"], r
+    # The split run reduce-scatters the head's chunk gradient, [D = 64, C = 128], along D: over
+    # fsdp_outer (2) to [32, 128], then fsdp_inner (4) to [8, 128] (no other weight has these).
+    shapes = r["fsdp_split-fused-v500"]["reduce_scatter_shapes"]
+    assert {"f32[32,128]", "f32[8,128]"} <= set(shapes), shapes

@@ -61,7 +61,8 @@ class ModelConfig:
     """Standard deviation of the normal initialiser for weight matrices and embeddings."""
     loss_chunk_size: int = 2048
     """Training/eval loss: LM head fused with the cross-entropy over vocab chunks of at most this
-    many rows, never holding the [B*S, V] float32 logits (train/loss.py); 0: full logits."""
+    many rows (with sharding.split_dense_gathers on a split mesh: a multiple of 128, at least
+    128), never holding the [B*S, V] float32 logits (train/loss.py); 0: full logits."""
 
     def __post_init__(self) -> None:
         _positive(
@@ -327,11 +328,13 @@ class ShardingConfig:
     """Across-slice (DCN) axis sizes overriding the preset's; their product is the slice count."""
     split_dense_gathers: bool = False
     """Run the dense layers' FSDP matmuls (attention, dense MLP, router, the fused loss's LM
-    head) per token shard in a shard_map on the torus-split mesh, so that on a 3D TPU slice
-    (or a whole square 2D one, 4x4 and up) their weight gathers and gradient reduce-scatters
-    are per-axis all-gathers / reduce-scatters rather than GSPMD's one collective (an
-    all-reduce from v5p:4x4x4 up). Pure FSDP only (tensor / expert axes of size 1); no effect
-    on CPU or other 2D slices. Off: GSPMD decides (docs/sharding.md, "3D TPU slices")."""
+    head) per token shard in a shard_map on the torus-split mesh, so that on a 3D TPU slice (or
+    a whole square 2D one, 4x4 and up) their weight gathers and gradient reduce-scatters are
+    per-axis all-gathers / reduce-scatters rather than GSPMD's one collective (an all-reduce
+    from v5p:4x4x4 up; on v6e:16x16 the LM head's gradient keeps an all-reduce stage of 3 MiB
+    per chunk). The LM head's vocab chunks are then a multiple of 128 rows. Pure FSDP only
+    (tensor / expert axes of size 1); no effect on CPU or other 2D slices. Off: GSPMD decides
+    (docs/sharding.md, "3D TPU slices")."""
 
 
 @dataclass(frozen=True)

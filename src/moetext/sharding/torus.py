@@ -1,23 +1,25 @@
-"""Mesh axes that XLA:TPU can reduce-scatter and all-gather over: at most two torus dims each.
+"""Mesh axes that XLA:TPU can reduce-scatter and all-gather over: at most two torus dims each,
+and not a whole square 2D slice.
 
 XLA:TPU lowers a reduce-scatter whose device group spans all three dims of a v5p torus
 (v5p:2x2x2 and larger: every FSDP axis over a whole 3D slice) as an all-reduce of the full
-operand plus a dynamic-slice, and on v5p:4x4x4 and larger an all-gather as an all-reduce too.
-An all-reduce moves about twice the bytes of either, and in place of a reduce-scatter it holds
-the full-size operand; a group spanning one or two torus dims keeps the real collective.
-(Compiled with libtpu for v5p:2x2x1/2x2x2/4x4x2/4x4x4/8x4x4, docs/performance.md "Expert-weight
-gradients".) A reduce-scatter over a whole square 2D slice of side 4 or more (v5e/v6e 4x4, 8x8,
-16x16, v5p:4x4x1) is an all-reduce too, though the same group inside a larger slice (a 4 x 4
-plane of v5p:4x4x4), a non-square one (v6e:8x16) or part of a slice (a 4 x 8 half of v6e:8x8)
-keeps the reduce-scatter (docs/sharding.md, "3D TPU slices").
+operand plus a dynamic-slice, and on v5p:4x4x4 and larger an all-gather as an all-reduce too. An
+all-reduce moves about twice the bytes of either, and in place of a reduce-scatter it holds the
+full-size operand; a group spanning one or two torus dims keeps the real collective, with one
+exception below. (Compiled with libtpu for v5p:2x2x1/2x2x2/4x4x2/4x4x4/8x4x4,
+docs/performance.md "Expert-weight gradients".) The exception: a reduce-scatter over a whole
+square 2D slice of side 4 or more (v5e/v6e 4x4, 8x8, 16x16, v5p:4x4x1) is an all-reduce too,
+though the same group inside a larger slice (a 4 x 4 plane of v5p:4x4x4), a non-square one
+(v6e:8x16) or part of a slice (a 4 x 8 half of v6e:8x8) keeps the reduce-scatter
+(docs/sharding.md, "3D TPU slices").
 
-`split_for_collectives` therefore describes the same devices with each such mesh axis split
-in two, an outer and an inner axis that each span at most two torus dims and neither a whole
-square slice. A shard_map over
-the split mesh whose collectives run one axis at a time (kernels/gmm/gather.py) gets two real
-reduce-scatters (all-gathers) where the one over the whole axis became an all-reduce. Arrays
-keep their layout: the split axis `a` is the pair (a_outer, a_inner) in the same device order,
-so P("a") and P(("a_outer", "a_inner")) place every shard on the same device.
+`split_for_collectives` therefore describes the same devices with each such mesh axis split in
+two, an outer and an inner axis that each span at most two torus dims and neither a whole square
+slice. A shard_map over the split mesh whose collectives run one axis at a time
+(kernels/gmm/gather.py) gets two real reduce-scatters (all-gathers) where the one over the whole
+axis became an all-reduce. Arrays keep their layout: the split axis `a` is the pair (a_outer,
+a_inner) in the same device order, so P("a") and P(("a_outer", "a_inner")) place every shard on
+the same device.
 
 Only explicit per-axis collectives get split: the experts' (models/moe/ep.py) and, with
 `sharding.split_dense_gathers`, the dense layers' (sharding/fsdp.py). GSPMD's own gathers stay
@@ -61,12 +63,17 @@ def _lines(devices: np.ndarray, k: int) -> list[list[object]]:
 
 
 def _whole_square_slice(group: Sequence[Any], slice_size: int) -> bool:
-    """Whether `group` is every chip of a 2D slice of n x n chips, n >= MIN_SQUARE_SIDE."""
+    """Whether `group` is all slice_size devices of one slice (the mesh's devices that share a
+    `slice_index`) and those sit on a 2D square of n x n chips, n >= MIN_SQUARE_SIDE (chips
+    counted by their coordinates: a chip with two cores is two devices on one chip)."""
     if len(group) != slice_size or torus_dims(group) != 2:
         return False
-    arr = np.asarray([d.coords for d in group])
+    if len({getattr(d, "slice_index", 0) for d in group}) != 1:
+        return False
+    chips = {tuple(d.coords) for d in group}
+    arr = np.asarray(sorted(chips))
     extents = [int(e) for e in arr.max(axis=0) - arr.min(axis=0) + 1 if e > 1]
-    return extents[0] == extents[1] >= MIN_SQUARE_SIDE and len(group) == extents[0] ** 2
+    return extents[0] == extents[1] >= MIN_SQUARE_SIDE and len(chips) == extents[0] ** 2
 
 
 def _needs_split(group: Sequence[object], slice_size: int) -> bool:

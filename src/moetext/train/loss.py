@@ -8,7 +8,8 @@ per chunk (N * C >= V).
 
 `fused_masked_nll` takes the final hidden states (after the final norm) and the LM head's
 weight instead of the logits, and never holds [T, V]: `lm_head_nll` loops (lax.scan) over N
-vocab chunks of C <= chunk_size rows, keeping per token a running max, the sum of exponentials
+vocab chunks of C <= chunk_size rows (on the split_dense_gathers path a multiple of 128,
+so at least 128: `chunking`), keeping per token a running max, the sum of exponentials
 rescaled to it, and the target's logit (float32 statistics). Its custom_vjp keeps only the
 inputs and the logsumexp [T]; the backward loops over the chunks again, recomputes each chunk's
 logits and forms dlogits = (softmax - onehot) * dnll, accumulates dh [T, D] in float32 and
