@@ -5,7 +5,8 @@ stored split over the same axes (`embed -> fsdp`) and leaves the FSDP gather to 
 all-gathers the weight and reduce-scatters its gradient as one collective over the whole axis.
 Where that axis spans all three dims of a v5p torus, XLA:TPU lowers such a reduce-scatter
 (v5p:2x2x2 and larger) and, on v5p:4x4x4 and larger, the all-gather itself as an all-reduce of
-the full weight (sharding/torus.py, docs/sharding.md).
+the full weight; over a whole square 2D slice (v6e 4x4 to 16x16) the reduce-scatter too
+(sharding/torus.py, docs/sharding.md).
 
 `models.layers.project.project` makes the matmul explicit there, on the plan made here: a
 `jax.shard_map` over the run's mesh with those axes split into (outer, inner) pairs of at most
@@ -20,8 +21,9 @@ the option).
 It applies inside `split_dense_gathers(True)` (config `sharding.split_dense_gathers`, entered
 by `Plan.rules`) when the weight is split over exactly the mesh axes that split the tokens
 (the fsdp preset, and fsdp_tp / fsdp_ep with tensor / expert = 1) and the sequence is not
-split; everywhere else (the default, no rules context, CPU, one- and two-dim slices, tensor or
-expert parallelism of size > 1) it is `jnp.einsum(eq, x, w.astype(dtype))` and GSPMD decides.
+split; everywhere else (the default, no rules context, CPU, one-dim and non-square two-dim
+slices, tensor or expert parallelism of size > 1) it is `jnp.einsum(eq, x, w.astype(dtype))`
+and GSPMD decides.
 
 Why it is off by default: which form is faster is not known without a TPU. GSPMD's all-reduce
 runs on six rings at once over a v5p:4x4x4 (the compiler's `collective_algorithm_config`),

@@ -91,11 +91,10 @@ def fused_masked_nll(
     plan = fsdp.plan_for(head_VD, HEAD_NAMES)
     if plan is None or any(dim != 1 for dim, _ in plan.gather):
         nll_T = lm_head_nll(h_TD, w_VD, targets_T, chunk_size)
-    else:  # sharding.split_dense_gathers on a 3D TPU slice: per token shard (sharding/fsdp.py)
+    else:  # sharding.split_dense_gathers on a split mesh: per token shard (sharding/fsdp.py)
         # The head is cast first, as on the path above, so its chunks' gradients are
-        # reduce-scattered in the compute dtype. (In f32 they doubled those bytes and added 0.57
-        # GiB per chip to the 30B step on v5p:4x4x2, and were all-reduces still: a 1187-row
-        # chunk; docs/performance.md.)
+        # reduce-scattered in the compute dtype. (Tried in f32 with 1187-row chunks: twice the
+        # bytes and 0.57 GiB more per chip on the 30B step on v5p:4x4x2; docs/performance.md.)
         gather = plan.gather
         nll_T = jax.shard_map(
             lambda h, w, t: lm_head_nll(h, w, t, chunk_size, gather),

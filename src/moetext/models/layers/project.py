@@ -18,9 +18,10 @@ def project(
     eq: str, x: jax.Array, w: jax.Array, w_names: Sequence[str | None], dtype: DTypeLike
 ) -> jax.Array:
     """jnp.einsum(eq, x, w.astype(dtype)) for tokens x split along dim 0 (which `eq` keeps as
-    the output's dim 0) and a weight with logical axes `w_names`. On a mesh whose FSDP axes span
-    three torus dims, it runs per token shard in a shard_map over the split mesh, gathering w
-    one sub-axis at a time and reduce-scattering its gradient the same way; else as written."""
+    the output's dim 0) and a weight with logical axes `w_names`. On a mesh whose FSDP axes need
+    the torus split (sharding/fsdp.py: `plan_for`), it runs per token shard in a shard_map over
+    the split mesh, gathering w one sub-axis at a time and reduce-scattering its gradient the
+    same way; else as written."""
     plan = plan_for(w, w_names)
     if plan is None:
         return jnp.einsum(eq, x, w.astype(dtype))
