@@ -8,7 +8,9 @@ the run's sharding preset, and the step is traced under its logical rules exactl
 training (moetext.aot does the work; this file parses and prints). Prints per-chip memory
 (arguments, temporaries, outputs vs the chip's HBM), FLOPs per chip and the collectives of the
 compiled HLO; exits 1 when the step does not fit in HBM, 2 for a config or topology error.
-Extra options: json=PATH writes the numbers, hlo=PATH writes the optimised HLO text.
+Extra options: json=PATH writes the numbers, hlo=PATH writes the optimised HLO text, dump=DIR
+has XLA dump the compile there (buffer assignment, memory-usage report) and splits the
+temporaries into those of XLA's buffer assignment and those the TPU backend adds after it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from jax.errors import JaxRuntimeError  # noqa: E402
 
 from moetext import aot, config  # noqa: E402
 
-OPTIONS = ("topology", "json", "hlo")
+OPTIONS = ("topology", "json", "hlo", "dump")
 
 
 def parse_args(argv: list[str]) -> tuple[str, dict[str, str], list[str]]:
@@ -42,7 +44,7 @@ def parse_args(argv: list[str]) -> tuple[str, dict[str, str], list[str]]:
         "items",
         nargs="*",
         metavar="key=value",
-        help="topology=NAME (required), json=PATH, hlo=PATH, and section.key=value overrides",
+        help="topology=NAME (required), json=PATH, hlo=PATH, dump=DIR, section.key=value",
     )
     args = p.parse_args(argv)
     if "=" in args.config:
@@ -63,7 +65,8 @@ def main(argv: list[str]) -> int:
     path, options, overrides = parse_args(argv)
     topology = options["topology"]
     try:
-        step = aot.compile_step(config.load(path, overrides), topology)
+        xla = {"xla_dump_to": options["dump"]} if "dump" in options else None
+        step = aot.compile_step(config.load(path, overrides), topology, xla)
     except config.ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -78,6 +81,8 @@ def main(argv: list[str]) -> int:
             Path(options["json"]).write_text(json.dumps({"fits": False, "error": str(e)}))
         return 1
     r = aot.report(step)
+    if "dump" in options:
+        r["buffer_assignment_temp_bytes"] = aot.buffer_assignment_temp(options["dump"])
     print(aot.format_report(r))
     if "json" in options:
         Path(options["json"]).write_text(json.dumps(r, indent=1))

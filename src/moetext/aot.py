@@ -19,6 +19,7 @@ import os
 import re
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -286,8 +287,11 @@ def for_tpu(cfg: Config) -> Config:
     )
 
 
-def compile_step(cfg: Config, topology: str) -> CompiledStep:
+def compile_step(
+    cfg: Config, topology: str, compiler_options: dict[str, str] | None = None
+) -> CompiledStep:
     """Builds the train state abstractly on the topology's chips and compiles the train step.
+    compiler_options go to XLA (e.g. {"xla_dump_to": DIR}, read by `buffer_assignment_temp`).
 
     Raises TopologyError before any work for a topology that cannot be described, and XLA's
     JaxRuntimeError when it refuses to compile (`exceeds_hbm` tells a step too big for HBM).
@@ -302,8 +306,26 @@ def compile_step(cfg: Config, topology: str) -> CompiledStep:
     t0 = time.perf_counter()
     lowered = loop.lower_checked(b, loop.jit_train_step(b), b.state, batch)
     t1 = time.perf_counter()
-    compiled = lowered.compile()
+    compiled = lowered.compile(compiler_options=compiler_options)
     return CompiledStep(topology, b, compiled, t1 - t0, time.perf_counter() - t1)
+
+
+def buffer_assignment_temp(dump_dir: str | Path) -> int:
+    """Bytes of the train step's temporaries as XLA's buffer assignment lays them out: the HBM
+    "preallocated-temp" allocation of the `xla_dump_to` dump's buffer-assignment file.
+
+    On TPU, `memory_analysis()` reports more temporaries than this (docs/performance.md, "AOT
+    memory per chip"): the difference is added by the backend after buffer assignment, so it
+    never shows in the dump's buffer lists or its memory-usage report."""
+    files = sorted(Path(dump_dir).glob("*jit_train_step*after_optimizations-buffer-assignment.txt"))
+    if len(files) != 1:
+        raise FileNotFoundError(
+            f"expected one train-step buffer assignment in the XLA dump {str(dump_dir)!r}, "
+            f"found {len(files)}: {[f.name for f in files]}"
+        )
+    # Only the default memory space (HBM): other colors (VMEM, SMEM) name themselves.
+    heap = re.compile(r"allocation \d+: size (\d+), page \d+, preallocated-temp")
+    return sum(int(m.group(1)) for m in heap.finditer(files[0].read_text()))
 
 
 def exceeds_hbm(error: Exception) -> bool:
@@ -384,6 +406,12 @@ def format_report(r: dict[str, Any]) -> str:
     ]
     for key in ("arguments", "temporaries", "outputs", "alias"):
         lines.append(f"  {key:<12}{g(r[key + '_bytes'])}")
+    if "buffer_assignment_temp_bytes" in r:  # scripts/aot_compile.py dump=DIR
+        heap = r["buffer_assignment_temp_bytes"]
+        lines.append(
+            f"    of the temporaries: {g(heap).strip()} in XLA's buffer assignment, "
+            f"{g(r['temporaries_bytes'] - heap).strip()} added after it"
+        )
     verdict = "fits" if r["fits"] else "DOES NOT FIT"
     lines += [
         f"  {'total':<12}{g(r['total_bytes'])} of {g(r['hbm_bytes']).strip()} HBM: {verdict}",

@@ -148,12 +148,22 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_cli_prints_the_report_and_writes_json_and_hlo(tmp_path):
     tiny = str(REPO / "configs/models/tiny-qwen3-moe.yml")
-    out = _cli(tiny, "topology=v5p:2x2x1", f"json={tmp_path}/r.json", f"hlo={tmp_path}/s.hlo")
+    out = _cli(
+        tiny,
+        "topology=v5p:2x2x1",
+        f"json={tmp_path}/r.json",
+        f"hlo={tmp_path}/s.hlo",
+        f"dump={tmp_path}/xla",
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]  # fits: exit 0
     assert out.stdout.startswith("topology v5p:2x2x1: 4 chips, mesh {'data': 1, 'fsdp': 4")
     assert "HBM: fits" in out.stdout and "collectives per step" in out.stdout
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["fits"] is True and r["preset"] == "fsdp" and r["collectives"]
+    # dump=DIR: the buffer assignment's heap is part of what memory_analysis() reports.
+    heap = r["buffer_assignment_temp_bytes"]
+    assert 0 < heap <= r["temporaries_bytes"], (heap, r["temporaries_bytes"])
+    assert "in XLA's buffer assignment" in out.stdout
     assert "all-gather" in (tmp_path / "s.hlo").read_text()
 
 
