@@ -82,12 +82,12 @@ def main(argv: list[str]) -> int:
         return 1
     r = aot.report(step)
     if "dump" in options:
-        r["buffer_assignment_temp_bytes"] = aot.buffer_assignment_temp(options["dump"])
+        r["buffer_assignment_temp_bytes"] = aot.buffer_assignment_temp(options["dump"], r["module"])
     print(aot.format_report(r))
     if "json" in options:
         Path(options["json"]).write_text(json.dumps(r, indent=1))
     if "hlo" in options:
-        Path(options["hlo"]).write_text(step.compiled.as_text() or "")
+        Path(options["hlo"]).write_text(aot.hlo_text(step.compiled))
     return 0 if r["fits"] else 1
 
 

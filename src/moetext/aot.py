@@ -270,7 +270,7 @@ class CompiledStep:
 
     topology: str
     built: Built
-    compiled: jax.stages.Compiled
+    compiled: Any  # jax.stages.Compiled, or loop.TwoPrograms of two (train.separate_update)
     lower_s: float
     compile_s: float
 
@@ -310,17 +310,18 @@ def compile_step(
     return CompiledStep(topology, b, compiled, t1 - t0, time.perf_counter() - t1)
 
 
-def buffer_assignment_temp(dump_dir: str | Path) -> int:
-    """Bytes of the train step's temporaries as XLA's buffer assignment lays them out: the HBM
-    "preallocated-temp" allocation of the `xla_dump_to` dump's buffer-assignment file.
+def buffer_assignment_temp(dump_dir: str | Path, module: str = "jit_train_step") -> int:
+    """Bytes of a program's temporaries as XLA's buffer assignment lays them out: the HBM
+    "preallocated-temp" allocation in the `xla_dump_to` dump's buffer-assignment file of the
+    HLO module named `module` (the report's "module": the step's, or its larger program's).
 
     On TPU, `memory_analysis()` reports more temporaries than this (docs/performance.md, "AOT
     memory per chip"): the difference is added by the backend after buffer assignment, so it
     never shows in the dump's buffer lists or its memory-usage report."""
-    files = sorted(Path(dump_dir).glob("*jit_train_step*after_optimizations-buffer-assignment.txt"))
+    files = sorted(Path(dump_dir).glob(f"*.{module}.*after_optimizations-buffer-assignment.txt"))
     if len(files) != 1:
         raise FileNotFoundError(
-            f"expected one train-step buffer assignment in the XLA dump {str(dump_dir)!r}, "
+            f"expected one buffer assignment of {module} in the XLA dump {str(dump_dir)!r}, "
             f"found {len(files)}: {[f.name for f in files]}"
         )
     # Only the default memory space (HBM): other colors (VMEM, SMEM) name themselves.
@@ -334,31 +335,68 @@ def exceeds_hbm(error: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in str(error) or "HbmOom" in str(error)
 
 
-def memory_and_cost(compiled: jax.stages.Compiled, topology: str) -> dict[str, Any]:
-    """Per-chip buffer bytes against the chip's HBM, and XLA's FLOPs and bytes accessed."""
+def programs(compiled: Any) -> list[tuple[str, jax.stages.Compiled]]:
+    """(name, program) of a compiled step: one, or the gradient and the update of
+    train.separate_update (`loop.TwoPrograms`)."""
+    from moetext.train.loop import TwoPrograms
+
+    if isinstance(compiled, TwoPrograms):
+        return [("gradient", compiled.gradient), ("update", compiled.update)]
+    return [("step", compiled)]
+
+
+def hlo_text(compiled: Any) -> str:
+    """The optimised HLO of every program of a compiled step, one after another."""
+    return "\n".join(c.as_text() or "" for _, c in programs(compiled))
+
+
+def _program_memory(name: str, compiled: jax.stages.Compiled, topology: str) -> dict[str, Any]:
     mem = compiled.memory_analysis()
     if mem is None:  # the TPU compiler always provides one
         raise RuntimeError(f"XLA gave no memory analysis for the program on {topology}")
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list | tuple) else cost
     args, temps = mem.argument_size_in_bytes, mem.temp_size_in_bytes
     outs, alias = mem.output_size_in_bytes, mem.alias_size_in_bytes
-    # Donated inputs: outputs that alias arguments take no extra memory.
-    total = args + temps + outs - alias
-    hbm = hbm_bytes(topology)
-    nan = float("nan")
+    module = re.match(r"HloModule ([^\s,]+)", compiled.as_text() or "")
     return {
+        "program": name,
+        "module": module.group(1) if module else name,
         "arguments_bytes": args,
         "temporaries_bytes": temps,
         "outputs_bytes": outs,
         "alias_bytes": alias,
-        "total_bytes": total,
-        "hbm_bytes": hbm,
-        "fits": total <= hbm,
-        # XLA's cost analysis counts a while body once (a layer scan's FLOPs appear once).
-        "xla_flops_per_chip": float(cost.get("flops", nan)) if cost else nan,
-        "xla_bytes_accessed_per_chip": float(cost.get("bytes accessed", nan)) if cost else nan,
+        # Donated inputs: outputs that alias arguments take no extra memory.
+        "total_bytes": args + temps + outs - alias,
     }
+
+
+def memory_and_cost(compiled: Any, topology: str) -> dict[str, Any]:
+    """Per-chip buffer bytes against the chip's HBM, and XLA's FLOPs and bytes accessed. A step
+    of two programs reports the one with the larger total (each program's arguments include
+    the whole train state, so its total is what the chip holds while it runs) and lists both
+    under "programs"; FLOPs and bytes accessed are summed."""
+    progs = programs(compiled)
+    each = [_program_memory(name, c, topology) for name, c in progs]
+    peak = max(each, key=lambda m: m["total_bytes"])
+    hbm = hbm_bytes(topology)
+    nan = float("nan")
+    flops = accessed = 0.0
+    for _, c in progs:
+        cost = c.cost_analysis()
+        cost = cost[0] if isinstance(cost, list | tuple) else cost
+        flops += float(cost.get("flops", nan)) if cost else nan
+        accessed += float(cost.get("bytes accessed", nan)) if cost else nan
+    out = {
+        **{k: v for k, v in peak.items() if k.endswith("_bytes")},
+        "module": peak["module"],
+        "hbm_bytes": hbm,
+        "fits": peak["total_bytes"] <= hbm,
+        # XLA's cost analysis counts a while body once (a layer scan's FLOPs appear once).
+        "xla_flops_per_chip": flops,
+        "xla_bytes_accessed_per_chip": accessed,
+    }
+    if len(each) > 1:
+        out["programs"] = each
+    return out
 
 
 def report(step: CompiledStep) -> dict[str, Any]:
@@ -368,7 +406,7 @@ def report(step: CompiledStep) -> dict[str, Any]:
     cfg, b, compiled = step.built.cfg, step.built, step.compiled
     chips = b.mesh.devices.size
     tokens_per_chip = cfg.data.global_batch_size * cfg.data.seq_len / chips
-    hlo = compiled.as_text() or ""
+    hlo = hlo_text(compiled)
     coll = collectives(hlo)
     by_shape = sorted(collectives(hlo, by="shape").items(), key=lambda kv: -kv[1]["bytes"])
     return {
@@ -406,6 +444,12 @@ def format_report(r: dict[str, Any]) -> str:
     ]
     for key in ("arguments", "temporaries", "outputs", "alias"):
         lines.append(f"  {key:<12}{g(r[key + '_bytes'])}")
+    for p in r.get("programs", []):  # train.separate_update
+        lines.append(
+            f"    program {p['program']:<9}{g(p['total_bytes'])} total "
+            f"({g(p['temporaries_bytes']).strip()} temporaries)"
+            + ("  <- the larger, counted here" if p["module"] == r["module"] else "")
+        )
     if "buffer_assignment_temp_bytes" in r:  # scripts/aot_compile.py dump=DIR
         heap = r["buffer_assignment_temp_bytes"]
         lines.append(

@@ -163,7 +163,7 @@ class KernelsConfig:
     dtype, f32 by default) or bfloat16 (half the bytes and the full-size gradient buffer)."""
     regather_weights: bool = False
     """All-gather FSDP-sharded expert weights again in the backward instead of keeping the
-    forward's gathered copy: less memory per chip (Qwen3-30B-A3B on v5p:4x4x2: 20.63 -> 18.56
+    forward's gathered copy: less memory per chip (Qwen3-30B-A3B on v5p:4x4x2: 18.51 -> 17.36
     GiB), 1.5x the expert-weight all-gather bytes. kernels.quantization none only."""
 
     def __post_init__(self) -> None:
@@ -273,6 +273,11 @@ class TrainConfig:
     """Split each step's global batch into N micro-batches run one after another inside the
     step (gradients summed, one optimizer update): the same step with one micro-batch's
     activations in memory. N must divide data.global_batch_size."""
+    separate_update: bool = True
+    """Run the step as two jitted programs, the gradient then the optimizer update, instead of
+    one: the same math with less peak memory on TPU, where one program holds a second copy of
+    the layer scan's stacked gradient (Qwen3-30B-A3B on v5p:4x4x2: 18.51 vs 20.63 GiB per
+    chip; docs/performance.md)."""
 
     def __post_init__(self) -> None:
         _positive("train", log_every=self.log_every, grad_accum_steps=self.grad_accum_steps)

@@ -29,7 +29,7 @@ from moetext.train import nonfinite, params_from, preemption, rundir
 from moetext.train import peak as peak_lib
 from moetext.train.profiler import StepProfiler
 from moetext.train.state import TrainState
-from moetext.train.step import make_eval_step, make_train_step
+from moetext.train.step import make_eval_step, make_train_step_parts
 
 
 @dataclasses.dataclass
@@ -111,24 +111,75 @@ def make_plan(cfg: Config, devices: list[jax.Device] | None = None) -> sharding_
 
 def jit_train_step(b: Built) -> Any:
     """The train step with the plan's shardings pinned on both sides (state donated); with
-    train.grad_accum_steps > 1 also the gradient accumulator and the micro-batches."""
-    skip = b.cfg.train.skip_nonfinite_steps > 0
-    step = make_train_step(
+    train.grad_accum_steps > 1 also the gradient accumulator and the micro-batches. With
+    train.separate_update it is two programs (`TwoPrograms`), else one jitted function; both
+    are called, lowered and compiled alike."""
+    gradient, update = make_train_step_parts(
         b.graphdef,
         b.rest,
         b.tx,
         b.lr_schedule,
-        skip_nonfinite=skip,
+        skip_nonfinite=b.cfg.train.skip_nonfinite_steps > 0,
         grad_accum_steps=b.cfg.train.grad_accum_steps,
         param_shardings=b.state_shardings.params,
         batch_sharding=b.batch_sharding,
     )
-    return jax.jit(
-        step,
-        in_shardings=(b.state_shardings, b.batch_sharding),
-        out_shardings=(b.state_shardings, b.plan.replicated),
-        donate_argnums=0,
+    replicated = b.plan.replicated
+    if not b.cfg.train.separate_update:
+
+        def train_step(state: TrainState, batch: dict[str, jax.Array]) -> Any:
+            return update(state, *gradient(state, batch))
+
+        return jax.jit(
+            train_step,
+            in_shardings=(b.state_shardings, b.batch_sharding),
+            out_shardings=(b.state_shardings, replicated),
+            donate_argnums=0,
+        )
+    return TwoPrograms(
+        # The whole state is an argument (kept though only the params are read) so that the
+        # program's memory analysis counts everything resident while it runs.
+        jax.jit(
+            gradient,
+            in_shardings=(b.state_shardings, b.batch_sharding),
+            out_shardings=(b.state_shardings.params, replicated),
+            keep_unused=True,
+        ),
+        jax.jit(
+            update,
+            in_shardings=(b.state_shardings, b.state_shardings.params, replicated),
+            out_shardings=(b.state_shardings, replicated),
+            donate_argnums=0,
+        ),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoPrograms:
+    """The train step as two programs, the gradient then the update (train.separate_update):
+    `update(state, *gradient(state, batch))`. The same at every stage: jitted functions, then
+    `lower(state, batch)` gives their Lowered, `compile()` their Compiled; each stage is called
+    like the one-program step. One program would end the backward's layer scan inside the
+    program that consumes its stacked gradient, for which XLA:TPU keeps a second copy of it
+    after buffer assignment (docs/performance.md); handed over as an output it does not."""
+
+    gradient: Any
+    update: Any
+
+    def __call__(self, state: TrainState, batch: dict[str, jax.Array]) -> Any:
+        grads, losses = self.gradient(state, batch)
+        return self.update(state, grads, losses)
+
+    def lower(self, state: TrainState, batch: dict[str, jax.Array]) -> TwoPrograms:
+        gradient = self.gradient.lower(state, batch)
+        grads, losses = gradient.out_info  # the update is lowered for what the gradient returns
+        return TwoPrograms(gradient, self.update.lower(state, grads, losses))
+
+    def compile(self, compiler_options: dict[str, str] | None = None) -> TwoPrograms:
+        return TwoPrograms(
+            self.gradient.compile(compiler_options=compiler_options),
+            self.update.compile(compiler_options=compiler_options),
+        )
 
 
 def lower_checked(b: Built, jitted: Any, *args: Any) -> Any:

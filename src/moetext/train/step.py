@@ -30,6 +30,8 @@ Metrics = dict[str, jax.Array]  # scalars, and per-layer arrays such as expert_l
 LossAux = tuple[jax.Array, dict[str, jax.Array], jax.Array, jax.Array]
 LossFn = Callable[[Params, Batch], tuple[jax.Array, LossAux]]
 GradFn = Callable[[Params, Batch], tuple[tuple[jax.Array, LossAux], Params]]
+# What the update needs of the loss besides the gradient: (loss, ce, the model's aux dict).
+Losses = tuple[jax.Array, jax.Array, dict[str, jax.Array]]
 
 
 def make_loss_fn(graphdef: nnx.GraphDef[Any], rest: nnx.State[Any, Any]) -> LossFn:
@@ -81,7 +83,42 @@ def make_train_step(
     finite step; the key exists only with skip_nonfinite).
     grad_accum_steps: N > 1 computes the gradient over N micro-batches of the batch in a scan
     (`accumulated_value_and_grad`), then takes one update; param_shardings (a tree like the
-    params) and batch_sharding (the batch's) pin the accumulator and the micro-batches."""
+    params) and batch_sharding (the batch's) pin the accumulator and the micro-batches.
+    The step is `update(state, *gradient(state, batch))` of `make_train_step_parts`."""
+    gradient, update = make_train_step_parts(
+        graphdef,
+        rest,
+        tx,
+        lr_schedule,
+        skip_nonfinite,
+        grad_accum_steps,
+        param_shardings,
+        batch_sharding,
+    )
+
+    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        return update(state, *gradient(state, batch))
+
+    return train_step
+
+
+def make_train_step_parts(
+    graphdef: nnx.GraphDef[Any],
+    rest: nnx.State[Any, Any],
+    tx: optax.GradientTransformation,
+    lr_schedule: optax.Schedule,
+    skip_nonfinite: bool = False,
+    grad_accum_steps: int = 1,
+    param_shardings: Any = None,
+    batch_sharding: NamedSharding | None = None,
+) -> tuple[
+    Callable[[TrainState, Batch], tuple[Params, Losses]],
+    Callable[[TrainState, Params, Losses], tuple[TrainState, Metrics]],
+]:
+    """The train step's two halves (arguments as make_train_step's):
+    train_step_gradient(state, batch) -> (grads, (loss, ce, aux)) and
+    train_step_update(state, grads, (loss, ce, aux)) -> (state after the update, metrics).
+    `loop.jit_train_step` jits them as one program or, with train.separate_update, as two."""
     loss_fn = make_loss_fn(graphdef, rest)
     grad_fn: GradFn = jax.value_and_grad(loss_fn, has_aux=True)
     if grad_accum_steps > 1:
@@ -89,8 +126,14 @@ def make_train_step(
             loss_fn, grad_accum_steps, param_shardings, batch_sharding
         )
 
-    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+    def train_step_gradient(state: TrainState, batch: Batch) -> tuple[Params, Losses]:
         (loss, (ce, aux, _, _)), grads = grad_fn(state.params, batch)
+        return grads, (loss, ce, aux)
+
+    def train_step_update(
+        state: TrainState, grads: Params, losses: Losses
+    ) -> tuple[TrainState, Metrics]:
+        loss, ce, aux = losses
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         grad_norm = optax.tree.norm(grads)
@@ -113,7 +156,7 @@ def make_train_step(
         )
         return new_state, metrics
 
-    return train_step
+    return train_step_gradient, train_step_update
 
 
 def accumulated_value_and_grad(
