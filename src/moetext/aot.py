@@ -3,8 +3,9 @@
 No TPU is needed. libtpu describes a topology's chips (`tpu_devices`, the one place this
 project asks it), the mesh and shardings come from the run's sharding preset, and the real
 train step is traced under its logical rules exactly as in training (`compile_step`).
-`report` reads the compiled program: XLA's memory analysis against the chip's HBM, XLA's and
-the model's FLOPs per chip, and the collectives of the optimised HLO counted per step
+`report` reads the compiled programs (the gradient and the update under train.separate_update,
+`programs`): XLA's memory analysis against the chip's HBM (the larger program's), XLA's and the
+model's FLOPs per chip, and the collectives of the optimised HLO counted per step
 (`collectives`: ops inside the layer scan's while body count once per trip).
 
 scripts/aot_compile.py is the command line over this module; the benchmarks and the TPU
