@@ -29,7 +29,7 @@ from moetext.train import nonfinite, params_from, preemption, rundir
 from moetext.train import peak as peak_lib
 from moetext.train.profiler import StepProfiler
 from moetext.train.state import TrainState
-from moetext.train.step import make_eval_step, make_train_step_parts
+from moetext.train.step import make_eval_step, make_train_step, make_train_step_parts
 
 
 @dataclasses.dataclass
@@ -114,28 +114,22 @@ def jit_train_step(b: Built) -> Any:
     train.grad_accum_steps > 1 also the gradient accumulator and the micro-batches. With
     train.separate_update it is two programs (`TwoPrograms`), else one jitted function; both
     are called, lowered and compiled alike."""
-    gradient, update = make_train_step_parts(
-        b.graphdef,
-        b.rest,
-        b.tx,
-        b.lr_schedule,
-        skip_nonfinite=b.cfg.train.skip_nonfinite_steps > 0,
-        grad_accum_steps=b.cfg.train.grad_accum_steps,
-        param_shardings=b.state_shardings.params,
-        batch_sharding=b.batch_sharding,
-    )
+    args = (b.graphdef, b.rest, b.tx, b.lr_schedule)
+    kwargs = {
+        "skip_nonfinite": b.cfg.train.skip_nonfinite_steps > 0,
+        "grad_accum_steps": b.cfg.train.grad_accum_steps,
+        "param_shardings": b.state_shardings.params,
+        "batch_sharding": b.batch_sharding,
+    }
     replicated = b.plan.replicated
     if not b.cfg.train.separate_update:
-
-        def train_step(state: TrainState, batch: dict[str, jax.Array]) -> Any:
-            return update(state, *gradient(state, batch))
-
         return jax.jit(
-            train_step,
+            make_train_step(*args, **kwargs),
             in_shardings=(b.state_shardings, b.batch_sharding),
             out_shardings=(b.state_shardings, replicated),
             donate_argnums=0,
         )
+    gradient, update = make_train_step_parts(*args, **kwargs)
     return TwoPrograms(
         # The whole state is an argument (kept though only the params are read) so that the
         # program's memory analysis counts everything resident while it runs.

@@ -66,35 +66,11 @@ def make_loss_fn(graphdef: nnx.GraphDef[Any], rest: nnx.State[Any, Any]) -> Loss
 
 
 def make_train_step(
-    graphdef: nnx.GraphDef[Any],
-    rest: nnx.State[Any, Any],
-    tx: optax.GradientTransformation,
-    lr_schedule: optax.Schedule,
-    skip_nonfinite: bool = False,
-    grad_accum_steps: int = 1,
-    param_shardings: Any = None,
-    batch_sharding: NamedSharding | None = None,
+    *args: Any, **kwargs: Any
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
-    """train_step(state, batch) -> (state after one update, metrics): loss, ce_loss, grad_norm,
-    lr (of the step taken) and the model's aux outputs (moe_loss, expert_load, ...).
-
-    skip_nonfinite: a step whose loss or grad norm is NaN/Inf keeps the params and optimizer
-    state it started from (the step counter still advances) and reports `skipped` = 1 (0 for a
-    finite step; the key exists only with skip_nonfinite).
-    grad_accum_steps: N > 1 computes the gradient over N micro-batches of the batch in a scan
-    (`accumulated_value_and_grad`), then takes one update; param_shardings (a tree like the
-    params) and batch_sharding (the batch's) pin the accumulator and the micro-batches.
-    The step is `update(state, *gradient(state, batch))` of `make_train_step_parts`."""
-    gradient, update = make_train_step_parts(
-        graphdef,
-        rest,
-        tx,
-        lr_schedule,
-        skip_nonfinite,
-        grad_accum_steps,
-        param_shardings,
-        batch_sharding,
-    )
+    """train_step(state, batch) -> (state after one update, metrics), one function:
+    `update(state, *gradient(state, batch))` of `make_train_step_parts(*args, **kwargs)`."""
+    gradient, update = make_train_step_parts(*args, **kwargs)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         return update(state, *gradient(state, batch))
@@ -115,10 +91,18 @@ def make_train_step_parts(
     Callable[[TrainState, Batch], tuple[Params, Losses]],
     Callable[[TrainState, Params, Losses], tuple[TrainState, Metrics]],
 ]:
-    """The train step's two halves (arguments as make_train_step's):
-    train_step_gradient(state, batch) -> (grads, (loss, ce, aux)) and
-    train_step_update(state, grads, (loss, ce, aux)) -> (state after the update, metrics).
-    `loop.jit_train_step` jits them as one program or, with train.separate_update, as two."""
+    """The train step's two halves: train_step_gradient(state, batch) -> (grads, (loss, ce, aux))
+    and train_step_update(state, grads, (loss, ce, aux)) -> (state after one update, metrics):
+    loss, ce_loss, grad_norm, lr (of the step taken) and the model's aux outputs (moe_loss,
+    expert_load, ...). `loop.jit_train_step` jits them as one program (`make_train_step`) or,
+    with train.separate_update, as two.
+
+    skip_nonfinite: a step whose loss or grad norm is NaN/Inf keeps the params and optimizer
+    state it started from (the step counter still advances) and reports `skipped` = 1 (0 for a
+    finite step; the key exists only with skip_nonfinite).
+    grad_accum_steps: N > 1 computes the gradient over N micro-batches of the batch in a scan
+    (`accumulated_value_and_grad`), then takes one update; param_shardings (a tree like the
+    params) and batch_sharding (the batch's) pin the accumulator and the micro-batches."""
     loss_fn = make_loss_fn(graphdef, rest)
     grad_fn: GradFn = jax.value_and_grad(loss_fn, has_aux=True)
     if grad_accum_steps > 1:
