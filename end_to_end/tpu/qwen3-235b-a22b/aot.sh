@@ -2,9 +2,10 @@
 # Ahead-of-time compile of the Qwen3-235B-A22B train step for a v5p-256 slice (8x4x4 = 128 chips),
 # 1 x 4096 tokens per chip, pure FSDP over all 128 chips. No TPU needed (libtpu topology).
 # Prints memory per chip, FLOPs and collectives; exits 1 if the step does not fit in HBM.
-# Fits since the per-shard shard_map MoE dispatch: 59.17 GB per chip = 22.05 arguments (params +
-# Adam, f32) + 37.13 temporaries (MaxText: 45.4); docs/performance.md "AOT memory per chip".
-# (The global-argsort dispatch before it needed 127.7 GB of temporaries and exited 1.)
+# 45.30 GB (42.19 GiB) per chip on 2026-11-26, as two programs (train.separate_update): 22.05
+# arguments (params + Adam, f32) + temporaries + the gradients handed to the update (MaxText:
+# 45.4 GB); docs/performance.md "The step as two programs". It first fit with the per-shard
+# shard_map MoE dispatch (59.17 GB); the global-argsort dispatch before it did not fit.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 exec .venv/bin/python scripts/aot_compile.py configs/models/qwen3-235b-a22b.yml \
