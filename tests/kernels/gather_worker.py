@@ -6,13 +6,15 @@ reduction dtype, the relative differences (loss, dlhs, drhs) of gmm on an all-ga
 slice (`rhs_gather`) with the weight gradient reduce-scattered in tiles against the same call
 in one piece, and against gmm on the whole weight (no sharding); the call with
 `regather_weights` (gathered again in the backward) against the one keeping the forward's copy;
-plus how many tiles ran.
+the slice gathered with its last two dims swapped (gather.minor_swapped) against it gathered as
+given; plus how many tiles ran.
 """
 
 from __future__ import annotations
 
 import json
 from typing import Any
+from unittest import mock
 
 import moetext  # noqa: F401  (quiets libtpu's TPU probing where there is no TPU)
 
@@ -24,6 +26,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from moetext.kernels import gmm as gmm_lib
+from moetext.kernels.gmm import api as gmm_api
 from moetext.kernels.gmm import gather
 
 M, K, N, G = 40, 64, 48, 4  # rows per shard, contraction, outputs, groups
@@ -153,6 +156,19 @@ def main() -> None:
         str(flag): run(mesh, "K_over_b", "blocked", None, x, w, ids, flag, count_gathers=True)[0]
         for flag in (False, True)
     }
+    # The layout whose slice is gathered with its last two dims swapped (gather.minor_swapped:
+    # the local N = 12 is under TPU_LANES) against the same call gathered along N as given.
+    assert gather.minor_swapped((G, K, N // 4), LAYOUTS["N_over_b"][1]) is not None
+    out["swapped_vs_not"] = {}
+    for backend in ("ragged_dot", "blocked"):
+        for reduce_dtype in (None, "bfloat16"):
+            key = f"N_over_b/{backend}/{reduce_dtype or 'param'}"
+            swapped = run(mesh, "N_over_b", backend, reduce_dtype, x, w, ids)
+            with mock.patch.object(gmm_api, "minor_swapped", lambda shape, g: None):
+                not_swapped = run(mesh, "N_over_b", backend, reduce_dtype, x, w, ids)
+            out["swapped_vs_not"][key] = [
+                rel(a, u) for a, u in zip(swapped, not_swapped, strict=True)
+            ]
     print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -1,7 +1,8 @@
 """Sharded expert weights in gmm (kernels/gmm/gather.py): the weight gradient reduce-scattered a
 tile at a time equals the one-piece reduction and the unsharded gradient; gathering the weights
-again in the backward (regather_weights) changes nothing; the tile plan; the narrowing cast that
-XLA must not hoist out of a layer scan.
+again in the backward (regather_weights) changes nothing, nor does gathering a slice with its
+minor dims swapped (minor_swapped); the tile plan; the narrowing cast that XLA must not hoist
+out of a layer scan.
 
 The 8-device part runs in a fresh interpreter (gather_worker.py, 8 fake CPU devices).
 """
@@ -127,3 +128,30 @@ def test_recipes_without_a_regather_refuse_it(quantization):
             tiling=None,
             regather=True,
         )
+
+
+def test_swapping_the_slices_minor_dims_changes_no_number(result):
+    # gather.minor_swapped: a slice split along N with a narrow local N is gathered as [G, N, K]
+    # and multiplied with transpose_rhs flipped: the same products summed in the same order, so
+    # the loss and both gradients are identical (measured for both backends and both gradient
+    # reduction dtypes).
+    assert len(result["swapped_vs_not"]) == 4
+    for key, diffs in result["swapped_vs_not"].items():
+        assert diffs == [0.0, 0.0, 0.0], (key, diffs)
+
+
+@pytest.mark.parametrize(
+    ("shape", "gather_dims", "swapped"),
+    [
+        # Qwen3-30B-A3B w_down [128, 768, 2048] on fsdp = 32: local N = 64 < 128 lanes.
+        ((128, 768, 64), ((2, ("fsdp",)),), ((1, ("fsdp",)),)),
+        ((2, 8, 12), ((0, ("expert",)), (2, ("a", "b"))), ((0, ("expert",)), (1, ("a", "b")))),
+        # fsdp = 8 leaves 256 columns: stored row-major, swapping would transpose; not done.
+        ((128, 768, 256), ((2, ("fsdp",)),), None),
+        ((128, 64, 768), ((1, ("fsdp",)),), None),  # w_gate: K gathered, already [G, K, N]
+        ((128, 24, 64), ((1, ("a",)), (2, ("b",))), None),  # both gathered
+        ((128, 768, 64), (), None),
+    ],
+)
+def test_minor_swapped(shape, gather_dims, swapped):
+    assert gather.minor_swapped(shape, gather_dims) == swapped

@@ -25,7 +25,7 @@ import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
 from moetext.kernels.gmm.backend import GmmBackend, Tiling, TilingArg, get_backend
-from moetext.kernels.gmm.gather import Gather, check_gather, gathered_shape
+from moetext.kernels.gmm.gather import Gather, check_gather, gathered_shape, minor_swapped
 from moetext.kernels.gmm.recipe import NoQuantization, Recipe
 
 
@@ -126,6 +126,11 @@ class Gmm:
             tiling=self.tiling,
         )
         if gather:
+            swapped = None if transpose_rhs else minor_swapped(rhs.shape, gather)
+            if swapped is not None:
+                # The same matmul on the slice with its last two dims swapped: see minor_swapped.
+                rhs, gather = jnp.swapaxes(rhs, 1, 2), swapped
+                call["transpose_rhs"] = not transpose_rhs
             reduce_dtype = (
                 None if self.grad_reduce_dtype is None else jnp.dtype(self.grad_reduce_dtype)
             )

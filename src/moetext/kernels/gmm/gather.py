@@ -79,6 +79,35 @@ def local_shape(shape: tuple[int, ...], gather: Gather) -> tuple[int, ...]:
     return tuple(local)
 
 
+# The lanes of a TPU vreg: XLA:TPU tiles an array's two minor dims in (8, 128) blocks (f32).
+TPU_LANES = 128
+
+
+def minor_swapped(shape: tuple[int, ...], gather: Gather) -> Gather | None:
+    """The gather of a [G, K, N] weight slice with its last two dims swapped, when the slice is
+    better gathered that way; else None. Gmm then multiplies by the swapped slice with
+    transpose_rhs flipped: the same matmul, the same numbers.
+
+    When: only the last dim is gathered and its local extent is under TPU_LANES (fsdp = 32 on
+    Qwen3-30B-A3B's w_down [128, 768, 2048] leaves [128, 768, 64] per chip). XLA:TPU stores such
+    a slice with the narrow dim second-minor (the 768 lanes minor: no padding), while its
+    all-gather and the Mosaic kernel after it want the gathered dim major. Gathered along N it
+    got the parameter copied to a new layout, hoisted out of the layer scan: a copy of every
+    layer's slice, 1.12 GiB per chip (docs/performance.md). Swapped, the slice as stored is
+    already the [G, N, K] the gather wants, exactly as w_gate's [G, K = D, N = F] slice is:
+    the swap is a bitcast, and nothing is copied. With a wider local N (>= 128 lanes, stored
+    row-major) the swap would be a real transpose per layer, so it is not done.
+
+    Gmm asks only for a [G, K, N] slice (transpose_rhs=False, the layout of every model weight):
+    a [G, N, K] one split along K could be swapped the same way, but on CPU its bf16 backward
+    then sums in another order (dlhs 1.2e-4 apart in tests/kernels/qag_worker.py), and no layer
+    needs it."""
+    dims = dict(gather)
+    if len(shape) != 3 or 2 not in dims or 1 in dims or shape[2] >= TPU_LANES:
+        return None
+    return tuple((1 if d == 2 else d, axes) for d, axes in gather)
+
+
 def all_gather_dims(x: jax.Array, gather: Gather) -> jax.Array:
     """x all-gathered (tiled) along each (dim, axes) in order; a tuple of axes innermost first."""
     for dim, axes in gather:
