@@ -4,7 +4,8 @@
 # Prints memory per chip, FLOPs and collectives; exits 1 if the step does not fit in HBM.
 # 45.30 GB (42.19 GiB) per chip on 2026-11-26, as two programs (train.separate_update): 22.05
 # arguments (params + Adam, f32) + temporaries + the gradients handed to the update (MaxText:
-# 45.4 GB); docs/performance.md "The step as two programs". It first fit with the per-shard
+# 45.4 GB); docs/performance.md "The step as two programs". GMM_BACKEND=pallas_tpu: 44.42 GB
+# (41.37 GiB; "`w_down` gathered with its minor dims swapped"). It first fit with the per-shard
 # shard_map MoE dispatch (59.17 GB); the global-argsort dispatch before it did not fit.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
