@@ -115,6 +115,11 @@ def tiles_of(layout: str) -> int:
     shape = (G, N, K) if transpose else (G, K, N)
     sizes = {"a": 2, "b": 4}
     shards = {d: int(np.prod([sizes[a] for a in axes])) for d, axes in gather_dims}
+    local = tuple(n // shards.get(d, 1) for d, n in enumerate(shape))
+    swapped = None if transpose else gather.minor_swapped(local, gather_dims)
+    if swapped is not None:  # what Gmm runs: the [G, N, K] slice gathered along N
+        shape = (G, N, K)
+        shards = {d: int(np.prod([sizes[a] for a in axes])) for d, axes in swapped}
     return gather.grad_tiles(shape, shards, 4)[1]
 
 
@@ -163,7 +168,15 @@ def main() -> None:
     for backend in ("ragged_dot", "blocked"):
         for reduce_dtype in (None, "bfloat16"):
             key = f"N_over_b/{backend}/{reduce_dtype or 'param'}"
-            swapped = run(mesh, "N_over_b", backend, reduce_dtype, x, w, ids)
+            answers: list[Any] = []
+
+            def asked(shape: Any, g: Any, answers: list[Any] = answers) -> Any:
+                answers.append(gather.minor_swapped(shape, g))
+                return answers[-1]
+
+            with mock.patch.object(gmm_api, "minor_swapped", asked):
+                swapped = run(mesh, "N_over_b", backend, reduce_dtype, x, w, ids)
+            assert answers == [((1, ("b",)),)], answers  # Gmm did swap: dim 2 gathered as 1
             with mock.patch.object(gmm_api, "minor_swapped", lambda shape, g: None):
                 not_swapped = run(mesh, "N_over_b", backend, reduce_dtype, x, w, ids)
             out["swapped_vs_not"][key] = [

@@ -151,6 +151,8 @@ def test_swapping_the_slices_minor_dims_changes_no_number(result):
         ((128, 64, 768), ((1, ("fsdp",)),), None),  # w_gate: K gathered, already [G, K, N]
         ((128, 24, 64), ((1, ("a",)), (2, ("b",))), None),  # both gathered
         ((128, 768, 64), (), None),
+        ((4, 8, 127), ((2, ("b",)),), ((1, ("b",)),)),  # the boundary: under 128 lanes
+        ((4, 8, 128), ((2, ("b",)),), None),
     ],
 )
 def test_minor_swapped(shape, gather_dims, swapped):

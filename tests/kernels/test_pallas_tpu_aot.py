@@ -168,9 +168,11 @@ GATHER_D = ((2, ("fsdp",)),)
 
 
 def _weight_copies(hlo: str) -> list[str]:
-    """Result shapes of the HLO's copies (relayouts) of expert-weight-sized arrays: a [128
-    experts, ...] array of rank >= 3 with a 768 (F), 2048 (D) or 64 (D / 32) dim."""
-    shapes = re.findall(r"= ((?:f32|bf16)\[([0-9,]+)\]\{[^}]*\}) copy\(", hlo)
+    """Result shapes of the HLO's relayouts (copy, copy-start, transpose) of expert-weight-sized
+    arrays: a [128 experts, ...] array of rank >= 3 with a 768 (F), 2048 (D) or 64 (D / 32) dim.
+    A copy-start's result is a tuple whose first element is the destination."""
+    op = r"(?:copy|copy-start|transpose)\("
+    shapes = re.findall(r"= \(?((?:f32|bf16)\[([0-9,]+)\]\{[^}]*\})[^=]*? " + op, hlo)
     dims = [(s, [int(x) for x in d.split(",")]) for s, d in shapes]
     return [s for s, d in dims if len(d) >= 3 and 128 in d and {768, 2048, 64} & set(d)]
 
@@ -183,8 +185,12 @@ def test_gathering_w_down_narrow_slices_swapped_copies_no_weight():
     # docs/performance.md). Gathered swapped (gather.minor_swapped) nothing is copied.
     swapped, given = _gathered_w_down_grad(True), _gathered_w_down_grad(False)
     assert _weight_copies(swapped.as_text()) == []
-    # The control: the copies this avoids are still what XLA does with the slice as given.
-    assert "f32[1,128,768,64]{2,1,0,3:T(8,128)}" in _weight_copies(given.as_text())
+    # The control: what XLA does with the slice as given is still to relayout the local f32
+    # slice (to {2,1,0,3} with libtpu 0.0.50.1) and the gathered bf16 weight.
+    copies = _weight_copies(given.as_text())
+    assert any(c.startswith("f32[1,128,768,64]") for c in copies), copies
+    assert any(c.startswith("bf16[1,128,768,2048]") for c in copies), copies
+    # Measured 1620 against 2356 MiB of temporaries (libtpu 0.0.50.1): at least the gathered
+    # bf16 weight's copy (384 MiB) less.
     temp = [c.memory_analysis().temp_size_in_bytes for c in (swapped, given)]
-    # Measured 1620 vs 2356 MiB (libtpu 0.0.50.1).
-    assert temp[0] < temp[1] - 512 * 2**20, temp
+    assert temp[0] <= temp[1] - 384 * 2**20, temp

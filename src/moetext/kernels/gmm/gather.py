@@ -100,8 +100,11 @@ def minor_swapped(shape: tuple[int, ...], gather: Gather) -> Gather | None:
 
     Gmm asks only for a [G, K, N] slice (transpose_rhs=False, the layout of every model weight):
     a [G, N, K] one split along K could be swapped the same way, but on CPU its bf16 backward
-    then sums in another order (dlhs 1.2e-4 apart in tests/kernels/qag_worker.py), and no layer
-    needs it."""
+    then sums in another order (dlhs 1.2e-4 of the largest entry apart, measured once on
+    qag_worker.py's transposed layout), and no layer needs it. The rule is the same on every
+    platform: on CPU and GPU the swap is a transpose of the local slice (small next to the
+    gathered weight) and changes no number. A fixed (tm, tk, tn) tiling then meets the weight
+    gradient's tgmm as [G, N, K] (tk along N), which changes tiles, not results."""
     dims = dict(gather)
     if len(shape) != 3 or 2 not in dims or 1 in dims or shape[2] >= TPU_LANES:
         return None
