@@ -114,13 +114,15 @@ def tiles_of(layout: str) -> int:
     spec, gather_dims, transpose = LAYOUTS[layout]
     shape = (G, N, K) if transpose else (G, K, N)
     sizes = {"a": 2, "b": 4}
-    shards = {d: int(np.prod([sizes[a] for a in axes])) for d, axes in gather_dims}
-    local = tuple(n // shards.get(d, 1) for d, n in enumerate(shape))
+
+    def shards(g: gmm_lib.Gather) -> dict[int, int]:
+        return {d: int(np.prod([sizes[a] for a in axes])) for d, axes in g}
+
+    local = tuple(n // shards(gather_dims).get(d, 1) for d, n in enumerate(shape))
     swapped = None if transpose else gather.minor_swapped(local, gather_dims)
     if swapped is not None:  # what Gmm runs: the [G, N, K] slice gathered along N
-        shape = (G, N, K)
-        shards = {d: int(np.prod([sizes[a] for a in axes])) for d, axes in swapped}
-    return gather.grad_tiles(shape, shards, 4)[1]
+        shape, gather_dims = (G, N, K), swapped
+    return gather.grad_tiles(shape, shards(gather_dims), 4)[1]
 
 
 def main() -> None:
@@ -163,7 +165,6 @@ def main() -> None:
     }
     # The layout whose slice is gathered with its last two dims swapped (gather.minor_swapped:
     # the local N = 12 is under TPU_LANES) against the same call gathered along N as given.
-    assert gather.minor_swapped((G, K, N // 4), LAYOUTS["N_over_b"][1]) is not None
     out["swapped_vs_not"] = {}
     for backend in ("ragged_dot", "blocked"):
         for reduce_dtype in (None, "bfloat16"):

@@ -129,6 +129,9 @@ def test_compiles_with_tails(chip, call):
     assert compiled.out_info.shape == want
 
 
+GATHER_D = ((2, ("fsdp",)),)  # w_down [E, F, D]: this chip's slice of D
+
+
 def _gathered_w_down_grad(swap: bool) -> jax.stages.Compiled:
     """The weight gradient of two scanned layers multiplying by Qwen3-30B-A3B's w_down
     [E, F, D] f32, fsdp-sharded along D over 32 chips (v5p:4x4x2) and all-gathered per layer in
@@ -162,9 +165,6 @@ def _gathered_w_down_grad(swap: bool) -> jax.stages.Compiled:
         if not swap:
             stack.enter_context(mock.patch.object(gmm_api, "minor_swapped", lambda *a: None))
         return jax.jit(jax.grad(loss)).lower(*args).compile()
-
-
-GATHER_D = ((2, ("fsdp",)),)
 
 
 def _weight_copies(hlo: str) -> list[str]:
