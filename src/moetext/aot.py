@@ -496,6 +496,7 @@ def compile_decode_step(
     from flax import nnx
 
     from moetext import models
+    from moetext.errors import ConfigError
     from moetext.models.moe.decode import prefuse_all
     from moetext.train import loop
 
@@ -515,22 +516,19 @@ def compile_decode_step(
     abstract = nnx.eval_shape(prefused)
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)  # type: ignore[misc]
     shardings = plan.shardings_for(params)
-    m = cfg.model
-    cache_names = ("batch", None, "kv_heads", "head_dim")
-    cache_sharding = plan.sharding(cache_names)
-    dtype = jax.numpy.dtype(m.dtype)
-    cache_shape = (batch, cache_len, m.num_kv_heads, m.head_dim)
 
     def sds(shape: tuple[int, ...], dt: Any, sharding: Any) -> Any:
         # jax: ShapeDtypeStruct.__init__ is unannotated.
         return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # type: ignore[no-untyped-call]
 
-    from moetext.models.layers.attention import KVCache
-
-    caches = [
-        KVCache(sds(cache_shape, dtype, cache_sharding), sds(cache_shape, dtype, cache_sharding))
-        for _ in range(m.num_layers)
-    ]
+    family = models.get_family(cfg.model.family)
+    if family.decode_cache is None:
+        raise ConfigError(f"model.family={family.name!r} does not decode (no decode cache)")
+    caches = jax.tree.map(
+        lambda a: sds(a.shape, jax.numpy.dtype(a.dtype), plan.sharding(a.names)),
+        family.decode_cache(cfg.model, batch, cache_len),
+        is_leaf=models.is_cache_array,
+    )
     rows = plan.sharding(("batch", None))
     tokens = sds((batch, 1), jax.numpy.int32, rows)
     first_valid = sds((batch,), jax.numpy.int32, plan.sharding(("batch",)))

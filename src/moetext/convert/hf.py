@@ -1,10 +1,11 @@
-"""Hugging Face Qwen3-MoE checkpoints as moetext models: the Python API.
+"""Hugging Face checkpoints as moetext models: the Python API.
 
     cfg, model = load_model("path/to/Qwen3-30B-A3B", dtype="float32")
     logits_BSV, aux = model(tokens_BS)
 
-The family's name map and config.json mapping live in `moetext/models/qwen3_moe/hf.py`; this
-module reads the tensors (memory-mapped, one at a time) and places them in the model.
+config.json's model_type picks the model family (`models.family_for_hf`); the family's
+adapter (`ModelFamily.hf`, models/hf.py) maps config.json and names every tensor; this module
+reads the tensors (memory-mapped, one at a time) and places them in the model.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from moetext import models
 from moetext.config.schema import Config, KernelsConfig
 from moetext.convert.safetensors_io import SafetensorsReader
 from moetext.errors import ConfigError
-from moetext.models.qwen3_moe import hf as qwen3_hf
+from moetext.models.hf import HfAdapter, Tensor, TensorSource
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -37,10 +38,24 @@ def read_config(hf_dir: str | Path) -> dict[str, Any]:
     return config
 
 
+def adapter_for(hf_config: dict[str, Any]) -> HfAdapter:
+    """The HF adapter of the family that reads this config.json (by its model_type)."""
+    adapter = models.family_for_hf(hf_config).hf
+    assert adapter is not None  # family_for_hf only returns families with an adapter
+    return adapter
+
+
+def open_tensors(hf_dir: str | Path, adapter: HfAdapter) -> TensorSource:
+    """The checkpoint's tensors as the adapter's tensor map reads them (memory-mapped, with the
+    family's preprocessing, e.g. dequantized block-scaled weights)."""
+    return adapter.wrap_source(SafetensorsReader(hf_dir))
+
+
 def config_from_hf_dir(hf_dir: str | Path, dtype: str | None = None) -> Config:
     """A moetext Config for the checkpoint (model and moe from config.json; other sections at
     their defaults). dtype sets param_dtype and compute dtype (default: the stored dtype)."""
-    model_cfg, moe_cfg, stored = qwen3_hf.config_from_hf(read_config(hf_dir))
+    hf_config = read_config(hf_dir)
+    model_cfg, moe_cfg, stored = adapter_for(hf_config).config_from_hf(hf_config)
     dtype = dtype or stored
     if dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
@@ -59,7 +74,7 @@ def check_dtype(name: str, part: np.ndarray) -> None:
         )
 
 
-def read_parts(reader: SafetensorsReader, t: qwen3_hf.Tensor) -> list[np.ndarray]:
+def read_parts(reader: TensorSource, t: Tensor) -> list[np.ndarray]:
     """The HF tensors of `t` (memory-mapped), each checked for a float dtype and its shape."""
     parts = [reader.get(name) for name in t.hf_names]
     for name, part in zip(t.hf_names, parts, strict=True):
@@ -72,7 +87,7 @@ def read_parts(reader: SafetensorsReader, t: qwen3_hf.Tensor) -> list[np.ndarray
     return parts
 
 
-def check_tensors(reader: SafetensorsReader, tensors: list[qwen3_hf.Tensor], tied: bool) -> None:
+def check_tensors(reader: TensorSource, tensors: list[Tensor], tied: bool) -> None:
     """Every tensor the model needs is there and nothing else is (named either way)."""
     want = {n for t in tensors for n in t.hf_names}
     have = set(reader.names())
@@ -94,12 +109,13 @@ def load_model(
     hf_dir: str | Path, dtype: str = "float32", kernels: KernelsConfig | None = None
 ) -> tuple[Config, nnx.Module]:
     """(config, model) with the checkpoint's weights; dtype sets param and compute dtype.
-    The model is the unscanned qwen3_moe Decoder: model(tokens_BS) -> (logits_BSV, aux)."""
+    The model is its family's, unscanned: model(tokens_BS) -> (logits_BSV, aux)."""
     cfg = config_from_hf_dir(hf_dir, dtype)
     if kernels is not None:
         cfg = dataclasses.replace(cfg, kernels=kernels)
-    reader = SafetensorsReader(hf_dir)
-    tensors = qwen3_hf.tensor_map(cfg.model, cfg.moe)
+    adapter = models.hf_adapter(cfg.model.family)
+    reader = open_tensors(hf_dir, adapter)
+    tensors = adapter.tensor_map(cfg.model, cfg.moe)
     check_tensors(reader, tensors, cfg.model.tie_embeddings)
     abstract = nnx.eval_shape(
         lambda: models.build(cfg.model, cfg.moe, cfg.kernels, rngs=nnx.Rngs(params=0))

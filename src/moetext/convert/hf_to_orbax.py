@@ -1,4 +1,5 @@
-"""Hugging Face Qwen3-MoE safetensors -> a moetext orbax checkpoint, streaming.
+"""Hugging Face safetensors -> a moetext orbax checkpoint, streaming (any family with an HF
+adapter; config.json's model_type picks it).
 
     python -m moetext.convert hf-to-orbax --hf DIR --out OUT [--config YML] [--dtype bfloat16]
         [--emit_config] [--overwrite]
@@ -38,11 +39,17 @@ from moetext import models
 from moetext.checkpoint import shape_mismatches
 from moetext.config.schema import Config
 from moetext.convert.bounded_save import BoundedNumpyHandler
-from moetext.convert.hf import DTYPES, check_tensors, read_config, read_parts
-from moetext.convert.safetensors_io import SafetensorsReader
+from moetext.convert.hf import (
+    DTYPES,
+    adapter_for,
+    check_tensors,
+    open_tensors,
+    read_config,
+    read_parts,
+)
 from moetext.convert.staging import publish, refuse_existing, staging
 from moetext.errors import ConfigError
-from moetext.models.qwen3_moe import hf as qwen3_hf
+from moetext.models.hf import Tensor, TensorSource, hf_dtype
 
 # Bytes in flight while writing: at most WRITE_SLOTS boxes of WRITE_BOX_BYTES (whole chunks).
 WRITE_BOX_BYTES = 32 * 2**20
@@ -66,7 +73,8 @@ def np_dtype(name: str) -> np.dtype[Any]:
 
 def derive_config(hf_dir: str | Path, config_path: str | Path | None) -> Config:
     """The run config for the checkpoint: from config.json, or `config_path` checked against it."""
-    model_cfg, moe_cfg, _ = qwen3_hf.config_from_hf(read_config(hf_dir))
+    hf_config = read_config(hf_dir)
+    model_cfg, moe_cfg, _ = adapter_for(hf_config).config_from_hf(hf_config)
     if config_path is None:
         return Config(model=model_cfg, moe=moe_cfg)
     cfg = config_lib.load(config_path)
@@ -95,9 +103,7 @@ def _leaf(params: nnx.State[Any, Any], path: tuple[str | int, ...]) -> Any:
     return node
 
 
-def _mapped(
-    reader: SafetensorsReader, t: qwen3_hf.Tensor, dtype: np.dtype[Any], scratch: Path
-) -> np.ndarray:
+def _mapped(reader: TensorSource, t: Tensor, dtype: np.dtype[Any], scratch: Path) -> np.ndarray:
     """The moetext array of `t`, as a memory map: the HF tensor itself when nothing changes,
     else a scratch file filled one HF tensor (one expert) at a time."""
     parts = read_parts(reader, t)
@@ -130,13 +136,14 @@ def hf_to_orbax(
     """Converts; returns the config written to OUT/config.yml."""
     hf_dir, out = Path(hf_dir), Path(out)
     cfg = derive_config(hf_dir, config_path)
-    stored = qwen3_hf.hf_dtype(read_config(hf_dir))
+    stored = hf_dtype(read_config(hf_dir))
     dtype = dtype or stored
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     refuse_existing(out, overwrite)
-    reader = SafetensorsReader(hf_dir)
-    tensors = qwen3_hf.tensor_map(cfg.model, cfg.moe)
+    adapter = models.hf_adapter(cfg.model.family)
+    reader = open_tensors(hf_dir, adapter)
+    tensors = adapter.tensor_map(cfg.model, cfg.moe)
     check_tensors(reader, tensors, cfg.model.tie_embeddings)
     tokenizer = [hf_dir / f for f in TOKENIZER_FILES if (hf_dir / f).exists()]
     if not any(f.name == "tokenizer.json" for f in tokenizer):

@@ -1,4 +1,5 @@
-"""A moetext orbax checkpoint -> Hugging Face Qwen3-MoE safetensors, streaming.
+"""A moetext orbax checkpoint -> Hugging Face safetensors, streaming (through the family's HF
+adapter).
 
     python -m moetext.convert orbax-to-hf --checkpoint DIR --out OUT [--config YML]
         [--dtype bfloat16] [--max_shard_size_gb 5] [--overwrite]
@@ -6,8 +7,8 @@
 DIR is a run's `checkpoints/<step>/` or the output of hf-to-orbax (anything with `state/` and
 `meta/`). The config is the one saved in `meta/` unless --config names another (it must then
 describe the same shapes). OUT gets sharded safetensors (+ model.safetensors.index.json),
-config.json (released Qwen3-MoE spelling), generation_config.json and the tokenizer files
-(DIR/tokenizer/, or the run's RUN_DIR/tokenizer/ for a step directory).
+config.json (the spelling of the family's released checkpoints), generation_config.json and
+the tokenizer files (DIR/tokenizer/, or the run's RUN_DIR/tokenizer/ for a step directory).
 
 Parameters are restored one at a time (orbax partial restore of a single leaf, as NumPy), turned
 into HF tensors and written; a scan_layers checkpoint restores one stacked leaf ([L, ...] of one
@@ -27,14 +28,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from moetext import config as config_lib
+from moetext import models
 from moetext.checkpoint import read_meta_config, shape_mismatches
 from moetext.config.schema import Config
 from moetext.convert import safetensors_io
 from moetext.convert.hf_to_orbax import np_dtype
 from moetext.convert.staging import publish, refuse_existing, staging
 from moetext.errors import ConfigError
-from moetext.models.qwen3_moe import hf as qwen3_hf
-from moetext.models.qwen3_moe.model import moe_layer_pattern, segments
+from moetext.models.hf import ParamPath, Tensor
 
 
 class _Params:
@@ -67,26 +68,35 @@ def _map_leaf(node: Any, value: Any) -> Any:
     return {k: _map_leaf(v, value) for k, v in node.items()} if isinstance(node, dict) else value
 
 
-def moetext_arrays(params: _Params, cfg: Config) -> Iterator[tuple[qwen3_hf.Tensor, np.ndarray]]:
-    """Every tensor of the unscanned map with its array, one restored leaf at a time."""
-    tensors = qwen3_hf.tensor_map(cfg.model, cfg.moe)
-    if "layers" in params.tree or "stacks" not in params.tree:
-        for t in tensors:
-            yield t, params.get(t.path)
-        return
-    by_layer: dict[int, dict[tuple[str | int, ...], qwen3_hf.Tensor]] = {}
+def _has(tree: dict[str, Any], path: ParamPath) -> bool:
+    node: Any = tree
+    for key in path:
+        if not isinstance(node, dict) or str(key) not in node:
+            return False
+        node = node[str(key)]
+    return True
+
+
+def moetext_arrays(params: _Params, cfg: Config) -> Iterator[tuple[Tensor, np.ndarray]]:
+    """Every tensor of the family's unscanned map with its array, one restored leaf at a time.
+    A tensor the checkpoint holds in the scan_layers layout (`ModelFamily.stacked_path`) comes
+    from its stacked leaf, restored once for all the layers it holds."""
+    family = models.get_family(cfg.model.family)
+    tensors = models.hf_adapter(cfg.model.family).tensor_map(cfg.model, cfg.moe)
+    stacks: dict[ParamPath, list[tuple[int, Tensor]]] = {}
     for t in tensors:
-        if t.path[0] == "layers":
-            by_layer.setdefault(int(t.path[1]), {})[t.path[2:]] = t
-        else:
+        if _has(params.tree, t.path) or family.stacked_path is None:
             yield t, params.get(t.path)
-    start = 0
-    for j, (_, count) in enumerate(segments(moe_layer_pattern(cfg.model))):
-        for sub in by_layer[start]:
-            stacked = params.get(("stacks", j, *sub))
-            for k in range(count):
-                yield by_layer[start + k][sub], stacked[k]
-        start += count
+            continue
+        path, index = family.stacked_path(cfg.model, t.path)
+        if index is None:
+            yield t, params.get(path)
+        else:
+            stacks.setdefault(path, []).append((index, t))
+    for path, members in stacks.items():
+        stacked = params.get(path)
+        for index, t in members:
+            yield t, stacked[index]
 
 
 def _tokenizer_dir(ckpt: Path) -> Path | None:
@@ -116,12 +126,11 @@ def orbax_to_hf(
         if bad:
             raise ConfigError(f"{config_path} does not describe {ckpt}: " + "; ".join(bad))
         cfg = given
-    if cfg.model.family != "qwen3_moe":
-        raise ConfigError(f"model.family={cfg.model.family!r}: only qwen3_moe converts to HF")
+    adapter = models.hf_adapter(cfg.model.family)
     params = _Params(ckpt / "state")
     stored = np.dtype(params.tree["embed"]["value"].dtype).name
     dtype = dtype or ("bfloat16" if stored == "bfloat16" else stored)
-    hf_config = qwen3_hf.config_to_hf(cfg.model, cfg.moe, dtype)
+    hf_config = adapter.config_to_hf(cfg.model, cfg.moe, dtype)
     refuse_existing(out, overwrite)
     target = np_dtype(dtype)
 

@@ -6,26 +6,36 @@ layers/ and moe/ are the building blocks families share.
 """
 
 from moetext.models.family import (
+    CacheArray,
     CausalLM,
     HiddenStatesLM,
     ModelFamily,
     ParamCounts,
     available_families,
     build,
+    family_for_hf,
     get_family,
+    hf_adapter,
+    is_cache_array,
     register_family,
+    zeros_cache,
 )
 
 # The built-in families: each registers itself on import (one line per family).
-from moetext.models import dense, qwen3_moe  # noqa: E402, F401  isort: skip
+from moetext.models import qwen3_moe  # noqa: E402, F401  isort: skip
 
 __all__ = [
+    "CacheArray",
     "CausalLM",
     "HiddenStatesLM",
     "ModelFamily",
     "ParamCounts",
     "available_families",
     "build",
+    "family_for_hf",
     "get_family",
+    "hf_adapter",
+    "is_cache_array",
     "register_family",
+    "zeros_cache",
 ]

@@ -9,10 +9,15 @@ A `ModelFamily` is everything the rest of moetext needs to know about an archite
     logical_axes     every logical axis name its params and activations use; the trainer checks
                      the sharding preset covers them before anything is built
     stack_layers /   (optional) param tree unscanned <-> scan_layers layout, so a checkpoint of
-    unstack_layers   one layout loads into a run of the other
+    unstack_layers   one layout loads into a run of the other; stacked_path places one unscanned
+    stacked_path     param in the stacked layout (conversion reads one stacked leaf at a time)
+    hf               (optional) its Hugging Face adapter (models/hf.py: model_types, config.json
+                     both ways, the tensor map, weight preprocessing)
+    decode_cache     (optional) what its decode cache holds, as CacheArray leaves (shape, dtype,
+                     logical axes): GQA keys and values per layer, a compressed latent for MLA
 
 The family's folder holds its module tree, its counts and (with checkpoint conversion) its
-Hugging Face name map; `register_family(FAMILY)` at the end of its `__init__.py` and one import
+Hugging Face adapter; `register_family(FAMILY)` at the end of its `__init__.py` and one import
 line in `moetext/models/__init__.py` make `model.family: <name>` build it. A family may also be
 registered from outside the package (tests/models/test_family.py trains one defined in a test).
 """
@@ -25,10 +30,12 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypedDict, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from moetext.config.schema import KernelsConfig, ModelConfig, MoEConfig
 from moetext.errors import ConfigError
+from moetext.models.hf import HfAdapter, ParamPath
 
 
 class ParamCounts(TypedDict):
@@ -84,6 +91,28 @@ Builder = Callable[[ModelConfig, MoEConfig, KernelsConfig, nnx.Rngs], nnx.Module
 
 
 @dataclasses.dataclass(frozen=True)
+class CacheArray:
+    """One array of a decode cache, before it exists: `ModelFamily.decode_cache` returns a
+    pytree of these (the structure the model's `init_cache` and `cached` use), so that decoding
+    allocates it and ahead-of-time compiles shard it by its logical axes without knowing what
+    the family caches."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    names: tuple[str | None, ...]
+    """Logical axis names, one per dim (sharding.logical rules map them to mesh axes)."""
+
+
+def is_cache_array(x: Any) -> bool:
+    return isinstance(x, CacheArray)
+
+
+def zeros_cache(spec: Any) -> Any:
+    """The cache of `spec` (a pytree of CacheArray) as zero arrays."""
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), spec, is_leaf=is_cache_array)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelFamily:
     name: str
     """The `model.family` value that selects it."""
@@ -105,6 +134,14 @@ class ModelFamily:
     the family has one layout. Lets a checkpoint load into a run of the other layout."""
     unstack_layers: Callable[[dict[str, Any], ModelConfig], dict[str, Any]] | None = None
     """The inverse of stack_layers."""
+    stacked_path: Callable[[ModelConfig, ParamPath], tuple[ParamPath, int | None]] | None = None
+    """An unscanned param path -> (its path in the scan_layers layout, its index along the
+    stacked axis, None for params outside the stack); None when the family has one layout."""
+    hf: HfAdapter | None = None
+    """The Hugging Face adapter; None: the family does not convert to or from HF."""
+    decode_cache: Callable[[ModelConfig, int, int], Any] | None = None
+    """(model_cfg, batch, length) -> the decode cache as a pytree of CacheArray (what the
+    model's init_cache returns, zeroed); None: the family does not decode."""
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
@@ -142,6 +179,32 @@ def get_family(name: str) -> ModelFamily:
             f"{', '.join(available_families())}"
         )
     return _FAMILIES[name]
+
+
+def family_for_hf(config_json: dict[str, Any]) -> ModelFamily:
+    """The registered family whose HF adapter reads config.json's model_type; a ConfigError
+    listing the supported model types otherwise."""
+    kind = config_json.get("model_type")
+    readers = {t: f for f in _FAMILIES.values() if f.hf for t in f.hf.model_types}
+    if kind not in readers:
+        supported = ", ".join(f"{t} ({f.name})" for t, f in sorted(readers.items()))
+        raise ConfigError(
+            f"config.json has model_type={kind!r}, which no model family reads; supported: "
+            f"{supported}"
+        )
+    return readers[kind]
+
+
+def hf_adapter(name: str) -> HfAdapter:
+    """The HF adapter of family `name`; a ConfigError naming the families that convert."""
+    family = get_family(name)
+    if family.hf is None:
+        convertible = [f.name for f in _FAMILIES.values() if f.hf]
+        raise ConfigError(
+            f"model.family={name!r} has no Hugging Face mapping; families that convert: "
+            f"{', '.join(sorted(convertible))}"
+        )
+    return family.hf
 
 
 def build(

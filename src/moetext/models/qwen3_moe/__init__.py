@@ -1,7 +1,10 @@
-"""Qwen3-MoE (and Qwen3 dense layers): the decoder of model.py, counted by flops.py.
+"""Qwen3-MoE (and Qwen3 dense layers): the decoder of model.py, counted by flops.py, converted
+by hf.py. Two registered families share it:
 
-Layer i holds the MoE block when (i + 1) % decoder_sparse_step == 0 and i is not in
-mlp_only_layers (the Hugging Face Qwen3-MoE rule); the others hold a SwiGLU of width mlp_dim.
+- qwen3_moe: layer i holds the MoE block when (i + 1) % decoder_sparse_step == 0 and i is not in
+  mlp_only_layers (the Hugging Face Qwen3-MoE rule); the others hold a SwiGLU of width mlp_dim;
+- dense: the same decoder with every layer a SwiGLU of width mlp_dim (no router, no experts;
+  the moe section of the config is unused).
 """
 
 from __future__ import annotations
@@ -12,11 +15,15 @@ from flax import nnx
 
 from moetext.config.schema import KernelsConfig, ModelConfig, MoEConfig
 from moetext.models.family import ModelFamily, ParamCounts, register_family
+from moetext.models.hf import HfAdapter
 from moetext.models.qwen3_moe.flops import decoder_flops_per_token, decoder_param_counts
+from moetext.models.qwen3_moe.hf import HF
 from moetext.models.qwen3_moe.model import (
     Decoder,
+    decode_cache,
     moe_layer_pattern,
     stack_layers,
+    stacked_path,
     unstack_layers,
 )
 
@@ -45,6 +52,7 @@ def decoder_family(
     description: str,
     pattern: Callable[[ModelConfig], tuple[bool, ...]],
     logical_axes: frozenset[str],
+    hf: HfAdapter | None = None,
 ) -> ModelFamily:
     """The Qwen3 Decoder as a family whose MoE layers `pattern` picks (qwen3_moe, dense):
     module tree, counts and layer restacking all follow the one pattern."""
@@ -68,6 +76,9 @@ def decoder_family(
         logical_axes=logical_axes,
         stack_layers=lambda p, m: stack_layers(p, pattern(m)),
         unstack_layers=lambda p, m: unstack_layers(p, pattern(m)),
+        stacked_path=lambda m, path: stacked_path(path, pattern(m)),
+        hf=hf,
+        decode_cache=decode_cache,
     )
 
 
@@ -77,5 +88,20 @@ FAMILY = register_family(
         "Qwen3-MoE decoder: GQA + qk-norm, MoE every decoder_sparse_step layers",
         moe_layer_pattern,
         LOGICAL_AXES,
+        hf=HF,
+    )
+)
+
+
+def _dense_pattern(m: ModelConfig) -> tuple[bool, ...]:
+    return (False,) * m.num_layers
+
+
+DENSE = register_family(
+    decoder_family(
+        "dense",
+        "dense Qwen3 decoder: GQA + qk-norm, every layer a SwiGLU",
+        _dense_pattern,
+        LOGICAL_AXES - {"exp", "mlp_moe"},
     )
 )

@@ -1,93 +1,27 @@
-"""Hugging Face Qwen3-MoE <-> moetext: config.json fields and the tensor name map.
+"""Hugging Face Qwen3-MoE / Qwen2-MoE <-> moetext: config.json fields and the tensor name map.
 
 `config_from_hf(config_json)` reads both spellings of config.json (released Qwen3 checkpoints:
 `num_experts`, `rope_theta`, `torch_dtype`; transformers 5: `num_local_experts`,
 `rope_parameters.rope_theta`, `dtype`); `config_to_hf` writes the released spelling.
 
 `tensor_map(model_cfg, moe_cfg)` lists, for every parameter of the *unscanned* Decoder (path in
-its nnx state, e.g. ("layers", 3, "attn", "w_q")), the HF tensors it is made of and the two
-transforms. HF stores torch Linear weights as [out, in]; moetext stores [in, out] with heads
-split out (w_q [D, N, H], w_o [N, H, D]) and the experts stacked (w_gate [E, D, F]). Every
-transform is a transpose/reshape/stack, so hf -> moetext -> hf is bit-exact.
+its nnx state, e.g. ("layers", 3, "attn", "w_q")), the HF tensors it is made of and how
+(`models.hf.Tensor`). `HF` is the family's adapter (`ModelFamily.hf`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal
-
-import numpy as np
+from collections.abc import Mapping
+from typing import Any
 
 from moetext.config.schema import ModelConfig, MoEConfig
 from moetext.errors import ConfigError
+from moetext.models.hf import HfAdapter, ParamPath, Tensor, hf_dtype
 from moetext.models.qwen3_moe.model import moe_layer_pattern
 
 # model_type -> architecture. Qwen2-MoE is this decoder without q/k norm, with q/k/v bias and a
 # sigmoid-gated shared expert (ModelConfig.attention_bias, MoEConfig.shared_expert_gate).
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
-DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-
-ParamPath = tuple[str | int, ...]
-
-
-Kind = Literal["same", "linear", "heads_in", "heads_out", "experts", "bias_heads"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Tensor:
-    """One moetext parameter and the HF tensors it is made of.
-
-    kind says how: same (identity), linear (torch [out, in] <-> [in, out]), heads_in (q/k/v:
-    [n*h, d] <-> [d, n, h]), heads_out (o: [d, n*h] <-> [n, h, d]), experts (E torch
-    [out, in] tensors <-> one [E, in, out]), bias_heads (q/k/v bias: [n*h] <-> [n, h])."""
-
-    path: ParamPath
-    """Where it lives in the unscanned Decoder's nnx.State (nnx.Param leaves)."""
-    hf_names: tuple[str, ...]
-    """The HF tensors, in order (E of them for stacked experts)."""
-    shape: tuple[int, ...]
-    """The moetext shape."""
-    kind: Kind
-
-    @property
-    def hf_shape(self) -> tuple[int, ...]:
-        """The shape of each of the HF tensors."""
-        s = self.shape
-        if self.kind == "same":
-            return s
-        if self.kind == "linear":
-            return (s[1], s[0])
-        if self.kind == "heads_in":
-            return (s[1] * s[2], s[0])
-        if self.kind == "heads_out":
-            return (s[2], s[0] * s[1])
-        if self.kind == "bias_heads":
-            return (s[0] * s[1],)
-        return (s[2], s[1])  # experts
-
-    def to_moetext(self, parts: Sequence[np.ndarray]) -> np.ndarray:
-        x = np.asarray(parts[0])
-        if self.kind == "same":
-            return x
-        if self.kind == "bias_heads":
-            return x.reshape(self.shape)
-        if self.kind == "linear":
-            return np.ascontiguousarray(x.T)
-        if self.kind in ("heads_in", "heads_out"):
-            return np.ascontiguousarray(x.T.reshape(self.shape))
-        return np.stack([np.asarray(p).T for p in parts])
-
-    def to_hf(self, value: np.ndarray) -> list[np.ndarray]:
-        x = np.asarray(value)
-        if self.kind == "same":
-            return [x]
-        if self.kind == "experts":
-            return [np.ascontiguousarray(e.T) for e in x]
-        if self.kind == "bias_heads":
-            return [x.reshape(self.hf_shape)]
-        flat = (self.hf_shape[1], self.hf_shape[0])  # the moetext side as [in, out]
-        return [np.ascontiguousarray(x.reshape(flat).T)]
 
 
 def tensor_map(m: ModelConfig, moe: MoEConfig) -> list[Tensor]:
@@ -166,14 +100,6 @@ def _get(hf: Mapping[str, Any], *names: str, default: Any = None, required: bool
     if required and default is None:
         raise ConfigError(f"config.json has none of {', '.join(names)} (a Qwen3-MoE field)")
     return default
-
-
-def hf_dtype(hf: Mapping[str, Any]) -> str:
-    """The stored dtype config.json names (`dtype`, or `torch_dtype` in released checkpoints)."""
-    name = str(_get(hf, "dtype", "torch_dtype", default="float32"))
-    if name not in DTYPES:
-        raise ConfigError(f"config.json dtype {name!r} is not one of {', '.join(DTYPES)}")
-    return name
 
 
 def rope_theta(hf: Mapping[str, Any]) -> float:
@@ -303,3 +229,11 @@ def config_to_hf(m: ModelConfig, moe: MoEConfig, dtype: str) -> dict[str, Any]:
             moe.moe_intermediate_size if moe.num_shared_experts else 0
         )
     return out
+
+
+HF = HfAdapter(
+    model_types=tuple(ARCHITECTURES),
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,
+    tensor_map=tensor_map,
+)

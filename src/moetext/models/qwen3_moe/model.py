@@ -19,6 +19,8 @@ from flax import nnx
 
 from moetext.config.schema import KernelsConfig, ModelConfig, MoEConfig
 from moetext.kernels.gmm import Gmm
+from moetext.models.family import CacheArray, zeros_cache
+from moetext.models.hf import ParamPath
 from moetext.models.layers.attention import Attention, KVCache
 from moetext.models.layers.mlp import SwiGLU
 from moetext.models.layers.norms import RMSNorm
@@ -47,6 +49,14 @@ def moe_layer_pattern(cfg: ModelConfig) -> tuple[bool, ...]:
     return tuple(
         (i + 1) % cfg.decoder_sparse_step == 0 and i not in only for i in range(cfg.num_layers)
     )
+
+
+def decode_cache(cfg: ModelConfig, batch: int, length: int) -> list[KVCache]:
+    """Per layer, the post-RoPE keys and values of the kv heads, [B, T, K, H] in the compute
+    dtype (`ModelFamily.decode_cache`; `Decoder.init_cache` zeroes it)."""
+    shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+    kv = CacheArray(shape, cfg.dtype, ("batch", None, "kv_heads", "head_dim"))
+    return [KVCache(kv, kv) for _ in range(cfg.num_layers)]
 
 
 def segments(pattern: Sequence[bool]) -> tuple[tuple[bool, int], ...]:
@@ -291,12 +301,8 @@ class Decoder(nnx.Module):
 
     def init_cache(self, batch: int, length: int) -> list[KVCache]:
         """Zero KV caches for `batch` rows of `length` slots, one per layer (compute dtype)."""
-        c = self.cfg
-        shape = (batch, length, c.num_kv_heads, c.head_dim)
-        return [
-            KVCache(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
-            for _ in range(c.num_layers)
-        ]
+        caches: list[KVCache] = zeros_cache(decode_cache(self.cfg, batch, length))
+        return caches
 
     def cached(
         self,
@@ -424,6 +430,19 @@ def stack_layers(params: dict[str, Any], pattern: Sequence[bool]) -> dict[str, A
         start += count
     out["stacks"] = stacks
     return out
+
+
+def stacked_path(path: ParamPath, pattern: Sequence[bool]) -> tuple[ParamPath, int | None]:
+    """Where the unscanned param `path` lives in the scan_layers layout: (path in "stacks",
+    index along the stacked axis), or (path, None) outside the layer stack."""
+    if path[0] != "layers":
+        return path, None
+    i, start = int(path[1]), 0
+    for j, (_, count) in enumerate(segments(pattern)):
+        if i < start + count:
+            return ("stacks", j, *path[2:]), i - start
+        start += count
+    raise ValueError(f"layer {i} is outside the {len(pattern)} layers")
 
 
 def unstack_layers(params: dict[str, Any], pattern: Sequence[bool]) -> dict[str, Any]:
