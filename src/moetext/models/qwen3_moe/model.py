@@ -51,11 +51,11 @@ def moe_layer_pattern(cfg: ModelConfig) -> tuple[bool, ...]:
     )
 
 
-def decode_cache(cfg: ModelConfig, batch: int, length: int) -> list[KVCache]:
-    """Per layer, the post-RoPE keys and values of the kv heads, [B, T, K, H] in the compute
-    dtype (`ModelFamily.decode_cache`; `Decoder.init_cache` zeroes it)."""
+def decode_cache(cfg: ModelConfig, batch: int, length: int) -> list[Any]:
+    """Per layer, a KVCache of CacheArray: the post-RoPE keys and values of the kv heads,
+    [B, T, K, H] in the compute dtype (`ModelFamily.decode_cache`; `init_cache` zeroes it)."""
     shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
-    kv = CacheArray(shape, cfg.dtype, ("batch", None, "kv_heads", "head_dim"))
+    kv: Any = CacheArray(shape, cfg.dtype, ("batch", None, "kv_heads", "head_dim"))
     return [KVCache(kv, kv) for _ in range(cfg.num_layers)]
 
 
