@@ -37,7 +37,7 @@ LAYERS: dict[str, set[str]] = {
     "convert": {"errors", "config", "models", "checkpoint"},
     "generate": {"errors", "config", "sharding", "models", "data", "train"},
     "plot": {"errors"},
-    "cli": {"errors", "config", "sharding", "checkpoint", "train"},
+    "cli": {"errors", "config", "sharding", "checkpoint", "models", "train"},
 }
 
 

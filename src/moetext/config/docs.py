@@ -1,8 +1,10 @@
-"""The config reference (docs/config.md), rendered from the field docstrings of `schema`.
+"""The config reference (docs/config.md), rendered from the field docstrings of `schema` and of
+the registered model families' section classes (config/families.py).
 
 Field docstrings are string statements after each annotated field; Python keeps none of them at
-runtime, so the schema's source is read with `ast`. `scripts/gen_config_docs.py` writes the
-result; a test checks the checked-in file is current.
+runtime, so the source is read with `ast`. `scripts/gen_config_docs.py` writes the result (after
+importing moetext.models, which registers the families); a test checks the checked-in file is
+current.
 """
 
 from __future__ import annotations
@@ -10,11 +12,12 @@ from __future__ import annotations
 import ast
 import inspect
 
-from moetext.config import schema
+from moetext.config import families, schema
 
 HEADER = """# Config reference
 
-Generated from `src/moetext/config/schema.py` by `scripts/gen_config_docs.py`; do not edit.
+Generated from `src/moetext/config/schema.py` and the model families' section classes
+(`src/moetext/models/<family>/config.py`) by `scripts/gen_config_docs.py`; do not edit.
 
 A run's YAML has one mapping per section below. `base_config: path.yml` (or a list) inherits
 from other files (child keys win, mappings merge deeply). On the command line,
@@ -43,12 +46,27 @@ def _rows(cls: ast.ClassDef) -> list[str]:
     return rows
 
 
+TABLE = ["| key | type | default | meaning |", "|---|---|---|---|"]
+
+
 def render() -> str:
-    """The markdown of docs/config.md: one table per config class that has fields."""
+    """The markdown of docs/config.md: one table per config class that has fields, then one per
+    family section class with the fields it adds."""
     out = [HEADER]
     for cls in ast.parse(inspect.getsource(schema)).body:
         if not isinstance(cls, ast.ClassDef) or not (rows := _rows(cls)):
             continue
         title = "Top-level sections" if cls.name == "Config" else f"`{cls.name}`"
-        out += [f"\n## {title}\n", "| key | type | default | meaning |", "|---|---|---|---|", *rows]
+        out += [f"\n## {title}\n", *TABLE, *rows]
+    readers: dict[type, list[str]] = {}
+    for name in families.registered_families():
+        sections = families.family_sections(name)
+        for section, cls in (("model", sections.model), ("moe", sections.moe)):
+            if cls not in (schema.ModelConfig, schema.MoEConfig):
+                readers.setdefault(cls, [section]).append(name)
+    for cls, (section, *names) in readers.items():
+        (node,) = ast.parse(inspect.getsource(cls)).body
+        assert isinstance(node, ast.ClassDef)
+        title = f"`{cls.__name__}`: more `{section}` fields of model.family {', '.join(names)}"
+        out += [f"\n## {title}\n", *TABLE, *_rows(node)]
     return "\n".join(out) + "\n"

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from moetext.config import families
 from moetext.errors import ConfigError
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -20,7 +21,8 @@ DType = Literal["float32", "bfloat16", "float16"]
 @dataclass(frozen=True)
 class ModelConfig:
     family: str = "qwen3_moe"
-    """Model family registered in `moetext.models.family` (qwen3_moe, dense)."""
+    """Model family registered in `moetext.models.family` (qwen3_moe, dense); it decides which
+    further model/moe fields exist (its section classes: models/<family>/config.py)."""
     vocab_size: int = 32000
     """Vocabulary size (embedding rows and LM-head columns)."""
     emb_dim: int = 256
@@ -39,10 +41,6 @@ class ModelConfig:
     """RoPE base frequency."""
     rms_norm_eps: float = 1e-6
     """Epsilon of every RMSNorm."""
-    qk_norm: bool = True
-    """Per-head RMSNorm on q and k before RoPE (Qwen3)."""
-    attention_bias: bool = False
-    """Bias on the q, k and v projections (Qwen2, Qwen2-MoE)."""
     tie_embeddings: bool = False
     """Share the token embedding with the LM head."""
     param_dtype: DType = "float32"
@@ -53,10 +51,6 @@ class ModelConfig:
     """Run the layer stack with nnx.scan over stacked params (fast compile for deep models)."""
     remat_policy: Literal["none", "full", "save_dots"] = "none"
     """Per-layer activation checkpointing: none, full (recompute all), save_dots (keep matmuls)."""
-    decoder_sparse_step: int = 1
-    """Layer i is MoE when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers."""
-    mlp_only_layers: tuple[int, ...] = ()
-    """Indices of layers that use the dense MLP even when decoder_sparse_step selects MoE."""
     init_std: float = 0.02
     """Standard deviation of the normal initialiser for weight matrices and embeddings."""
     loss_chunk_size: int = 2048
@@ -73,7 +67,6 @@ class ModelConfig:
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
-            decoder_sparse_step=self.decoder_sparse_step,
         )
         if self.loss_chunk_size < 0:
             raise ConfigError(
@@ -87,9 +80,6 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"model.head_dim={self.head_dim} must be even for RoPE")
-        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
-        if bad:
-            raise ConfigError(f"model.mlp_only_layers {bad} out of range [0, {self.num_layers})")
 
 
 @dataclass(frozen=True)
@@ -106,8 +96,6 @@ class MoEConfig:
     """Always-on shared experts (fused into one SwiGLU of width n * shared_intermediate_size)."""
     shared_intermediate_size: int = 0
     """Intermediate size of each shared expert (0 means moe_intermediate_size)."""
-    shared_expert_gate: bool = False
-    """Scale the shared experts' output per token by sigmoid(x @ w [D, 1]) (Qwen2-MoE)."""
     aux_loss_weight: float = 0.001
     """Weight of the Switch-style load-balancing loss E * sum_e f_e * p_e."""
     z_loss_weight: float = 0.0
@@ -128,11 +116,6 @@ class MoEConfig:
             raise ConfigError(
                 f"moe.num_experts_per_tok={self.num_experts_per_tok} exceeds "
                 f"moe.num_experts={self.num_experts}: a token cannot pick more experts than exist"
-            )
-        if self.shared_expert_gate and self.num_shared_experts < 1:
-            raise ConfigError(
-                "moe.shared_expert_gate=true gates the shared experts: it needs "
-                f"moe.num_shared_experts >= 1, got {self.num_shared_experts}"
             )
         if self.capacity_factor <= 0:
             raise ConfigError(f"moe.capacity_factor must be positive, got {self.capacity_factor}")
@@ -385,6 +368,18 @@ class Config:
     """Device mesh and logical-axis rules."""
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     """Multi-process (multi-host) start-up."""
+
+    def __post_init__(self) -> None:
+        # model and moe as model.family's section classes (config/families.py), also when built
+        # in code from the base classes; an unregistered family keeps them as given (the model
+        # build names it).
+        sections = families.lookup(self.model.family)
+        if sections is not None:
+            family = self.model.family
+            model = families.as_family_class(self.model, sections.model, "model", family)
+            moe = families.as_family_class(self.moe, sections.moe, "moe", family)
+            object.__setattr__(self, "model", model)
+            object.__setattr__(self, "moe", moe)
 
     def replace(self, **sections: Any) -> Config:
         """A copy with the given sections replaced, e.g. `cfg.replace(train=train_cfg)`."""
