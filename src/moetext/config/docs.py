@@ -53,15 +53,16 @@ def render() -> str:
     """The markdown of docs/config.md: one table per config class that has fields, then one per
     family section class with the fields it adds."""
     out = [HEADER]
-    for cls in ast.parse(inspect.getsource(schema)).body:
-        if not isinstance(cls, ast.ClassDef) or not (rows := _rows(cls)):
+    for node in ast.parse(inspect.getsource(schema)).body:
+        if not isinstance(node, ast.ClassDef) or not (rows := _rows(node)):
             continue
-        title = "Top-level sections" if cls.name == "Config" else f"`{cls.name}`"
+        title = "Top-level sections" if node.name == "Config" else f"`{node.name}`"
         out += [f"\n## {title}\n", *TABLE, *rows]
     readers: dict[type, list[str]] = {}
     for name in families.registered_families():
         sections = families.family_sections(name)
-        for section, cls in (("model", sections.model), ("moe", sections.moe)):
+        pairs: tuple[tuple[str, type], ...] = (("model", sections.model), ("moe", sections.moe))
+        for section, cls in pairs:
             if cls not in (schema.ModelConfig, schema.MoEConfig):
                 readers.setdefault(cls, [section]).append(name)
     for cls, (section, *names) in readers.items():
