@@ -58,16 +58,21 @@ def render() -> str:
             continue
         title = "Top-level sections" if node.name == "Config" else f"`{node.name}`"
         out += [f"\n## {title}\n", *TABLE, *rows]
-    readers: dict[type, list[str]] = {}
+    # Each family section class shipped in moetext (families registered elsewhere, e.g. by
+    # tests, are not documented here), by the folder that defines it.
+    seen: list[tuple[str, type]] = []
     for name in families.registered_families():
         sections = families.family_sections(name)
         pairs: tuple[tuple[str, type], ...] = (("model", sections.model), ("moe", sections.moe))
         for section, cls in pairs:
-            if cls not in (schema.ModelConfig, schema.MoEConfig):
-                readers.setdefault(cls, [section]).append(name)
-    for cls, (section, *names) in readers.items():
+            shipped = cls.__module__.startswith("moetext.models.")
+            if shipped and cls not in (schema.ModelConfig, schema.MoEConfig):
+                if (section, cls) not in seen:
+                    seen.append((section, cls))
+    for section, cls in seen:
         (node,) = ast.parse(inspect.getsource(cls)).body
         assert isinstance(node, ast.ClassDef)
-        title = f"`{cls.__name__}`: more `{section}` fields of model.family {', '.join(names)}"
+        folder = "/".join(cls.__module__.split(".")[1:-1])
+        title = f"`{cls.__name__}`: more `{section}` fields of the families in `{folder}/`"
         out += [f"\n## {title}\n", *TABLE, *_rows(node)]
     return "\n".join(out) + "\n"
