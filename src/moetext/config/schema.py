@@ -88,6 +88,9 @@ class MoEConfig:
     """Number of routed experts E."""
     num_experts_per_tok: int = 2
     """Experts per token K (top-k); at most num_experts."""
+    router: str = "softmax_topk"
+    """Registered router that picks each token's K experts and their weights (models/moe/routers:
+    softmax_topk)."""
     moe_intermediate_size: int = 512
     """Intermediate size F of each routed expert."""
     norm_topk_prob: bool = True

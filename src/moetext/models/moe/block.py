@@ -1,10 +1,15 @@
 """The MoE feed-forward block: router -> dispatch -> experts -> combine (+ shared experts).
 
+The block receives a built router (models/moe/routers) and reads only the `Routing` it returns:
+which router it holds is decided by `moe.router`, never by a branch here.
+
 Legend: B batch, S sequence, T = B*S tokens, D emb_dim, E experts, K experts per token,
 M = T*K assignment rows, C capacity slots per expert.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -19,19 +24,15 @@ from moetext.models.moe import decode as moe_decode
 from moetext.models.moe import dispatch as dsp
 from moetext.models.moe import ep
 from moetext.models.moe.experts import Experts
-from moetext.models.moe.router import (
-    Router,
-    expert_load,
-    load_balance_loss,
-    route,
-    router_z_loss,
-)
+from moetext.models.moe.routers import LOAD_KEY, LOSS_KEYS, Router, Routing, build_router
+
+__all__ = ["AUX_KEYS", "DISPATCH_MODES", "LOAD_KEY", "MoEBlock", "check_moe_config", "zero_aux"]
 
 DISPATCH_MODES = ("dropless", "capacity")
-AUX_KEYS = ("moe_loss", "load_balance_loss", "router_z_loss", "dropped_fraction")
-# Besides the scalars, aux[LOAD_KEY] is the layer's expert_load f_E (fraction of the routed
-# assignments per expert, float32 [E]); only MoE layers return it.
-LOAD_KEY = "expert_load"
+# The scalars of every layer's aux (zeros for a layer without MoE). Besides them, aux[LOAD_KEY]
+# is the layer's expert_load f_E (fraction of the routed assignments per expert, float32 [E]);
+# only MoE layers return it.
+AUX_KEYS = ("moe_loss", *LOSS_KEYS, "dropped_fraction")
 
 
 def zero_aux() -> dict[str, jax.Array]:
@@ -57,11 +58,15 @@ def check_moe_config(cfg: MoEConfig) -> None:
 
 
 class MoEBlock(nnx.Module):
-    """x_BSD -> (y_BSD, aux). aux["moe_loss"] is already weighted by the config's loss weights;
-    aux["expert_load"] is f_E [E], the fraction of routed assignments per expert.
+    """x_BSD -> (y_BSD, aux). aux holds the router's `Routing`: moe_loss (already weighted by
+    the config's loss weights), each of its losses (load_balance_loss, router_z_loss) and
+    metrics (expert_load f_E [E], the fraction of routed assignments per expert), plus the
+    dispatch's dropped_fraction.
 
     gmm: the grouped matmul the dropless experts run (backend, quantization recipe, options),
     built once per model (`gmm_from_config(cfg.kernels)`) and shared by every MoE layer.
+    router: the layer's built router (`routers.build_router(cfg, ...)`, drawing its params
+    before the experts'); None builds the one `cfg.router` names from `rngs`.
     shared_expert_gate: scale the shared experts' output per token by sigmoid(x @ w [D, 1])
     (Qwen2-MoE; needs cfg.num_shared_experts >= 1).
     """
@@ -71,6 +76,7 @@ class MoEBlock(nnx.Module):
         cfg: MoEConfig,
         gmm: Gmm,
         *,
+        router: Router | None = None,
         emb_dim: int,
         init_std: float,
         param_dtype: DTypeLike,
@@ -84,10 +90,17 @@ class MoEBlock(nnx.Module):
                 f"MoEBlock: gmm must be a kernels.gmm.Gmm (e.g. gmm_from_config(cfg.kernels)), "
                 f"got {type(gmm).__name__}"
             )
+        if router is None:
+            router = build_router(
+                cfg, emb_dim=emb_dim, init_std=init_std, param_dtype=param_dtype, rngs=rngs
+            )
+        elif not isinstance(router, Router):
+            raise ValueError(
+                f"MoEBlock: router must be a models.moe.routers.Router (e.g. build_router(cfg, "
+                f"...)), got {type(router).__name__}"
+            )
         self.cfg, self.gmm, self.dtype = cfg, gmm, dtype
-        self.router = Router(
-            emb_dim, cfg.num_experts, init_std=init_std, param_dtype=param_dtype, rngs=rngs
-        )
+        self.router = router
         self.experts = Experts(
             cfg.num_experts,
             emb_dim,
@@ -117,28 +130,31 @@ class MoEBlock(nnx.Module):
                 rngs, normal(init_std), (emb_dim, 1), ("embed", None), param_dtype
             )
 
-    def __call__(self, x_BSD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        cfg = self.cfg
+    def __call__(
+        self, x_BSD: jax.Array, segment_ids_BS: jax.Array | None = None
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         b, s, d = x_BSD.shape
         x_TD = x_BSD.reshape(b * s, d).astype(self.dtype)
-        logits_TE = self.router(x_TD)
-        weights_TK, ids_TK, probs_TE = route(logits_TE, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        if cfg.dispatch == "dropless":
-            y_TKD, dropped = self._dropless(x_TD, ids_TK), jnp.zeros((), jnp.float32)
+        routing = self._route(x_TD, segment_ids_BS)
+        if self.cfg.dispatch == "dropless":
+            y_TKD, dropped = self._dropless(x_TD, routing.ids_TK), jnp.zeros((), jnp.float32)
         else:
-            y_TKD, dropped = self._capacity(x_TD, ids_TK)
-        y_TD = dsp.combine(y_TKD, weights_TK, self.dtype)
+            y_TKD, dropped = self._capacity(x_TD, routing.ids_TK)
+        y_TD = dsp.combine(y_TKD, routing.weights_TK, self.dtype)
         if self.shared is not None:
             y_TD = y_TD + self._shared(x_TD)
-        lb, z = load_balance_loss(probs_TE, ids_TK), router_z_loss(logits_TE)
         aux = {
-            "moe_loss": cfg.aux_loss_weight * lb + cfg.z_loss_weight * z,
-            "load_balance_loss": lb,
-            "router_z_loss": z,
+            "moe_loss": routing.moe_loss,
+            **routing.losses,
             "dropped_fraction": dropped,
-            LOAD_KEY: expert_load(ids_TK, cfg.num_experts),
+            **routing.metrics,
         }
         return y_TD.reshape(b, s, d), aux
+
+    def update_state(self, metrics: Mapping[str, jax.Array]) -> None:
+        """The router's non-parameter state update from this layer's aux of a train step (see
+        `Router.update_state`); called outside the gradient, after the optimizer update."""
+        self.router.update_state(metrics)
 
     def decode(self, x_BSD: jax.Array) -> jax.Array:
         """The layer's output without the auxiliary losses, for decoding. With prefused experts
@@ -146,17 +162,29 @@ class MoEBlock(nnx.Module):
         matmul); otherwise the training forward."""
         if not moe_decode.is_prefused(self.experts):
             return self(x_BSD)[0]
-        cfg = self.cfg
         b, s, d = x_BSD.shape
         x_TD = x_BSD.reshape(b * s, d).astype(self.dtype)
-        weights_TK, ids_TK, _ = route(
-            self.router(x_TD), cfg.num_experts_per_tok, cfg.norm_topk_prob
-        )
-        y_TKD = moe_decode.expert_outputs(self.experts, x_TD, ids_TK, self.gmm, self.dtype)
-        y_TD = dsp.combine(y_TKD, weights_TK, self.dtype)
+        routing = self._route(x_TD, None)  # its losses and metrics are unused: jit drops them
+        y_TKD = moe_decode.expert_outputs(self.experts, x_TD, routing.ids_TK, self.gmm, self.dtype)
+        y_TD = dsp.combine(y_TKD, routing.weights_TK, self.dtype)
         if self.shared is not None:
             y_TD = y_TD + self._shared(x_TD)
         return y_TD.reshape(b, s, d)
+
+    def _route(self, x_TD: jax.Array, segment_ids_BS: jax.Array | None) -> Routing:
+        """The router's Routing for x_TD, its shapes and keys checked (at trace time)."""
+        seg_T = None if segment_ids_BS is None else segment_ids_BS.reshape(-1)
+        routing = self.router(x_TD, segment_ids_T=seg_T)
+        want = (x_TD.shape[0], self.cfg.num_experts_per_tok)
+        missing = [k for k in LOSS_KEYS if k not in routing.losses]
+        missing += [k for k in (LOAD_KEY,) if k not in routing.metrics]
+        if routing.ids_TK.shape != want or routing.weights_TK.shape != want or missing:
+            raise ValueError(
+                f"router {type(self.router).__name__} returned ids {routing.ids_TK.shape} and "
+                f"weights {routing.weights_TK.shape} for [T, K] = {list(want)}"
+                + (f", without {missing}" if missing else "")
+            )
+        return routing
 
     def _shared(self, x_TD: jax.Array) -> jax.Array:
         """The shared experts' output, scaled per token by sigmoid(x @ w) under

@@ -29,6 +29,7 @@ from moetext.models.layers.rope import rope_cos_sin
 from moetext.models.layers.rowdot import dot_rows
 from moetext.models.moe.block import AUX_KEYS, LOAD_KEY, MoEBlock, zero_aux
 from moetext.models.moe.experts import gmm_from_config
+from moetext.models.moe.routers import build_router
 from moetext.models.qwen3_moe.config import QwenModelConfig, QwenMoEConfig
 from moetext.sharding.logical import constrain
 
@@ -91,9 +92,13 @@ class DecoderLayer(nnx.Module):
         self.attn = Attention(cfg, qk_norm=cfg.qk_norm, bias=cfg.attention_bias, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.emb_dim, eps=cfg.rms_norm_eps, param_dtype=pdt, rngs=rngs)
         if self.use_moe:
+            router = build_router(
+                moe_cfg, emb_dim=cfg.emb_dim, init_std=cfg.init_std, param_dtype=pdt, rngs=rngs
+            )
             self.mlp: MoEBlock | SwiGLU = MoEBlock(
                 moe_cfg,
                 gmm,
+                router=router,
                 emb_dim=cfg.emb_dim,
                 init_std=cfg.init_std,
                 param_dtype=pdt,
