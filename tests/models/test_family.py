@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 from tiny_configs import KERNELS, TINY_MOE, tiny
 
-from moetext import config, models, train
+from moetext import config, models, program, train
 from moetext.config.schema import KernelsConfig, ModelConfig, MoEConfig
 from moetext.errors import ConfigError
 from moetext.models.flops import dot_product_attention_flops
@@ -25,7 +25,6 @@ from moetext.models.layers.rope import rope_cos_sin
 from moetext.models.moe.block import AUX_KEYS, LOAD_KEY, MoEBlock
 from moetext.models.moe.experts import gmm_from_config
 from moetext.sharding import plan as sharding_plan
-from moetext.train import loop
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_YML = REPO / "configs/models/tiny-qwen3-moe.yml"
@@ -221,4 +220,4 @@ def test_a_logical_axis_the_preset_lacks_fails_before_anything_is_built(tmp_path
     )
     cfg = config.load(TINY_YML, [f"model.family={odd.name}", "data.kind=synthetic"])
     with pytest.raises(ConfigError, match=r"'toy_axis' of model family 'toy_odd_axis'"):
-        loop.build(cfg)
+        program.build(cfg)

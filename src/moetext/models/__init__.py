@@ -9,12 +9,14 @@ from moetext.models.family import (
     CausalLM,
     HiddenStatesLM,
     ModelFamily,
+    ModelStateLM,
     ParamCounts,
     available_families,
     build,
     get_family,
     register_family,
 )
+from moetext.models.layers.params import ModelState
 
 # The built-in families: each registers itself on import (one line per family).
 from moetext.models import dense, qwen3_moe  # noqa: E402, F401  isort: skip
@@ -23,6 +25,8 @@ __all__ = [
     "CausalLM",
     "HiddenStatesLM",
     "ModelFamily",
+    "ModelState",
+    "ModelStateLM",
     "ParamCounts",
     "available_families",
     "build",

@@ -80,6 +80,21 @@ class HiddenStatesLM(CausalLM, Protocol):
     def head_VD(self) -> jax.Array: ...
 
 
+@runtime_checkable
+class ModelStateLM(CausalLM, Protocol):
+    """A CausalLM holding `ModelState` variables (models/layers/params.py) that change outside the
+    gradient (optional; a model without it keeps its ModelState as built).
+
+    The train step calls update_model_state(aux) once per optimizer step, after the update,
+    inside the jitted step, on the model merged from the new params and the current model
+    state: aux is the dict its forward returned for the step's batch (with gradient accumulation
+    each entry is the mean over the micro-batches). It assigns its ModelState variables' new
+    values (`var.value = ...`, traced: no host sync); a step skipped as non-finite keeps the old
+    ones."""
+
+    def update_model_state(self, aux: dict[str, jax.Array]) -> None: ...
+
+
 Builder = Callable[[ModelConfig, MoEConfig, KernelsConfig, nnx.Rngs], nnx.Module]
 
 
