@@ -63,7 +63,7 @@ class HiddenStatesLM(CausalLM, Protocol):
 
     hidden_states returns (x_BSD, aux): `__call__` before its LM head, so the logits are
     x_BSD @ head_VD().T (x_BSD in the compute dtype, head_VD() [V, D] in any float dtype);
-    loss_chunk_size is the most vocab rows per chunk of the fused loss (train/loss.py), 0 to
+    loss_chunk_size is the most vocab rows per chunk of the fused loss (program/loss.py), 0 to
     compute the loss from the logits."""
 
     @property

@@ -131,7 +131,9 @@ def make_train_step_parts(
     def next_model_state(params: Params, state: TrainState, aux: dict[str, jax.Array]) -> Any:
         if not jax.tree.leaves(state.model_state):
             return state.model_state
-        model = nnx.merge(graphdef, params, state.model_state, rest)
+        # copy: update_model_state sets new Variables, leaving the state's own (the values a
+        # skipped step keeps) as they were.
+        model = nnx.merge(graphdef, params, state.model_state, rest, copy=True)
         if not isinstance(model, ModelStateLM):
             return state.model_state
         model.update_model_state(aux)

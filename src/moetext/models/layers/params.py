@@ -36,8 +36,17 @@ class ModelState(nnx.Variable[jax.Array]):
     optimizer or its weight decay. The train state carries it beside the params (sharded by its
     logical axes like them, saved in checkpoints as `model_state`); the forward reads it, and
     only the model's `update_model_state` (models.ModelStateLM), called by the train step after
-    the optimizer update, changes it. Give it logical axes as a param's:
-    `ModelState(value, sharding=("exp",))` (None for a scalar's empty tuple)."""
+    the optimizer update, changes it. Create one with `make_model_state`, which names its
+    logical axes as `make_param` does a parameter's."""
+
+
+def make_model_state(value: jax.Array, names: Sequence[str | None]) -> ModelState:
+    """A ModelState holding `value`, annotated with logical axis `names` (() for a scalar)."""
+    if len(names) != value.ndim:
+        raise ValueError(
+            f"logical names {tuple(names)} do not match model state shape {tuple(value.shape)}"
+        )
+    return ModelState(value, out_sharding=tuple(names), eager_sharding=False)
 
 
 def make_param(
