@@ -51,7 +51,8 @@ def _flatten(s: TrainState) -> tuple[Iterable[Any], bool]:
 
 
 def _unflatten(has_model_state: bool, children: Iterable[Any]) -> TrainState:
-    return TrainState(*children) if has_model_state else TrainState(*children, nnx.State({}))
+    names = (*_ALWAYS, "model_state") if has_model_state else _ALWAYS
+    return TrainState(**dict(zip(names, children, strict=True)))
 
 
 # A pytree whose keys are the field names (what orbax names the saved arrays by), leaving out an
