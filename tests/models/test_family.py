@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 from model_state_family import CountingLM
@@ -24,7 +25,7 @@ from tiny_configs import KERNELS, TINY_MOE, tiny
 from fake_devices import running
 from moetext import config, models, program, train
 from moetext import data as data_lib
-from moetext.checkpoint import Checkpointer, abstract_like
+from moetext.checkpoint import Checkpointer, CheckpointError, abstract_like
 from moetext.config.schema import KernelsConfig, ModelConfig, MoEConfig
 from moetext.errors import ConfigError
 from moetext.models.flops import dot_product_attention_flops
@@ -35,6 +36,7 @@ from moetext.models.layers.rope import rope_cos_sin
 from moetext.models.moe.block import AUX_KEYS, LOAD_KEY, MoEBlock
 from moetext.models.moe.experts import gmm_from_config
 from moetext.sharding import plan as sharding_plan
+from moetext.train import resume
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_YML = REPO / "configs/models/tiny-qwen3-moe.yml"
@@ -346,6 +348,21 @@ def test_model_state_is_saved_and_restored_with_the_train_state(tmp_path):
         "rng",
         "model_state",
     }
+    # A checkpoint and a model that disagree on having model state: one clear error first.
+    resume.check_model_state(tmp_path / "checkpoints/4", b.state, "c")
+    none = b.state.replace(model_state=nnx.State({}))
+    with pytest.raises(
+        CheckpointError, match=r"^c holds model_state, but this run's model has none"
+    ):
+        resume.check_model_state(tmp_path / "checkpoints/4", none, "c")
+    old = tmp_path / "old"
+    small = {"step": np.zeros((), np.int32), "params": {"w": np.ones(2, np.float32)}}
+    ocp.PyTreeCheckpointer().save(old / "state", small)
+    resume.check_model_state(old, none, "c")
+    with pytest.raises(
+        CheckpointError, match=r"c holds no model_state, but .* has load_sum, steps"
+    ):
+        resume.check_model_state(old, b.state, "c")
 
 
 def _state_of(run_dir: Path, overrides: list[str], step: int) -> program.TrainState:

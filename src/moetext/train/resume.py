@@ -8,12 +8,14 @@ import sys
 from typing import Any
 
 import jax
+import orbax.checkpoint as ocp
 from etils import epath
 
 from moetext import checkpoint as checkpoint_lib
 from moetext import data as data_lib
-from moetext.checkpoint import Checkpointer, abstract_like
+from moetext.checkpoint import Checkpointer, CheckpointError, abstract_like
 from moetext.config import Config
+from moetext.orbax_noise import quiet_absent_step_metadata
 from moetext.program import Built, TrainState
 from moetext.train import params_from, rundir
 
@@ -56,6 +58,7 @@ def _maybe_resume(b: Built, ckpt: Checkpointer | None, data: data_lib.TrainData)
     def check_meta(step: int, meta: dict[str, Any]) -> None:  # before any array is read
         where = f"checkpoint {directory}/{step}"
         changes[step] = checkpoint_lib.check_config(meta.get("config"), b.cfg, where)
+        check_model_state(directory / str(step), b.state, where)
 
     found = ckpt.restore_latest(abstract_like(b.state), check_meta)
     if found is None:
@@ -66,3 +69,27 @@ def _maybe_resume(b: Built, ckpt: Checkpointer | None, data: data_lib.TrainData)
         print(f"resume: checkpoint {directory}/{step}: {'; '.join(changes[step])}", file=sys.stderr)
     data.restore(data_states)
     return state
+
+
+def check_model_state(step_dir: epath.Path, state: TrainState, where: str) -> None:
+    """CheckpointError when the checkpoint and the model disagree on having model state (saved
+    before the model had ModelState variables, or after it dropped them), before orbax's
+    structure mismatch would set the checkpoint aside as unusable. A state/ item whose metadata
+    cannot be read is left to the restore (which reports it and falls back)."""
+    quiet_absent_step_metadata()
+    try:
+        meta = ocp.PyTreeCheckpointer().metadata(step_dir / "state").item_metadata
+        tree = meta.tree if hasattr(meta, "tree") else meta
+        saved = "model_state" in tree
+    except Exception:  # orbax raises many types for a damaged item
+        return
+    wanted = len(state.model_state) > 0
+    if saved == wanted:
+        return
+    held = "holds model_state" if saved else "holds no model_state"
+    model = "has none" if saved else f"has {', '.join(sorted(map(str, state.model_state)))}"
+    raise CheckpointError(
+        f"{where} {held}, but this run's model {model} (models.ModelState variables): it was "
+        f"saved by a model of another version. Start a new run from its params instead: "
+        f"checkpoint.load_params_from={step_dir} with another train.run_dir"
+    )
