@@ -32,9 +32,8 @@ import moetext  # noqa: F401  (quiets libtpu's TPU probing where there is no TPU
 from moetext import config as config_lib
 from moetext import data as data_lib
 from moetext.models.flops import flops_per_token
-from moetext.train import build
+from moetext.program import build, jit_train_step, lower_checked, put_batch
 from moetext.train import peak as peak_lib
-from moetext.train.loop import jit_train_step, lower_checked, put_batch
 
 MAXTEXT = ["kernels.gmm_backend=ragged_dot", "model.loss_chunk_size=0"]
 

@@ -22,6 +22,8 @@ LAYERS: dict[str, set[str]] = {
     "orbax_noise": set(),
     "checkpoint": {"errors", "config", "orbax_noise"},
     "models": {"errors", "config", "kernels", "sharding"},
+    # What is compiled (model, plan, train/eval steps): shared by train, aot, generate.
+    "program": {"errors", "config", "kernels", "sharding", "optim", "data", "models"},
     "train": {
         "errors",
         "config",
@@ -32,10 +34,13 @@ LAYERS: dict[str, set[str]] = {
         "checkpoint",
         "models",
         "orbax_noise",
+        "program",
     },
-    "aot": {"errors", "config", "kernels", "sharding", "models", "optim", "train"},
+    "aot": {"errors", "config", "kernels", "sharding", "models", "optim", "program"},
     "convert": {"errors", "config", "models", "checkpoint"},
-    "generate": {"errors", "config", "sharding", "models", "data", "train"},
+    # Decoding builds what it compiles from program. "train" only for train/params_from.py
+    # (params-only checkpoint reads), which belongs in checkpoint/: then generate drops it.
+    "generate": {"errors", "config", "sharding", "models", "data", "program", "train"},
     "plot": {"errors"},
     "cli": {"errors", "config", "sharding", "checkpoint", "models", "train"},
 }

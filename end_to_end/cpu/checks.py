@@ -202,11 +202,12 @@ def _params(step_dir: Path) -> dict[str, Any]:
     import jax
     import numpy as np
 
+    from moetext import program
     from moetext.checkpoint import read_meta_config
-    from moetext.train import loop, params_from
+    from moetext.train import params_from
 
     cfg = read_meta_config(step_dir)
-    state = params_from.load_params(cfg, loop.make_plan(cfg), str(step_dir))
+    state = params_from.load_params(cfg, program.make_plan(cfg), str(step_dir))
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
     return {jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves}
 
@@ -292,11 +293,11 @@ def _run_model(config: Path, step_dir: Path) -> Any:
     from flax import nnx
 
     from moetext import config as config_lib
-    from moetext import models
-    from moetext.train import loop, params_from
+    from moetext import models, program
+    from moetext.train import params_from
 
     cfg = config_lib.load(config)
-    params = params_from.load_params(cfg, loop.make_plan(cfg), str(step_dir))
+    params = params_from.load_params(cfg, program.make_plan(cfg), str(step_dir))
     abstract = nnx.eval_shape(
         lambda: models.build(cfg.model, cfg.moe, cfg.kernels, rngs=nnx.Rngs(params=0))
     )

@@ -27,7 +27,7 @@ import jax
 
 if TYPE_CHECKING:
     from moetext.config import Config
-    from moetext.train.loop import Built
+    from moetext.program import Built
 
 GiB = 1024**3
 # HBM per JAX device, GiB, by the topology name's generation prefix: a chip's, except tpu7x
@@ -271,7 +271,7 @@ class CompiledStep:
 
     topology: str
     built: Built
-    compiled: Any  # jax.stages.Compiled, or loop.TwoPrograms of two (train.separate_update)
+    compiled: Any  # jax.stages.Compiled, or program.TwoPrograms of two (train.separate_update)
     lower_s: float
     compile_s: float
 
@@ -297,15 +297,14 @@ def compile_step(
     Raises TopologyError before any work for a topology that cannot be described, and XLA's
     JaxRuntimeError when it refuses to compile (`exceeds_hbm` tells a step too big for HBM).
     """
-    from moetext.train import loop
-    from moetext.train.step import abstract_batch
+    from moetext import program
 
     hbm_bytes(topology)  # an unknown generation fails now, not after minutes of compiling
     cfg = for_tpu(cfg)
-    b = loop.build(cfg, tpu_devices(topology), abstract=True)
-    batch = abstract_batch(cfg.data.global_batch_size, cfg.data.seq_len, b.batch_sharding)
+    b = program.build(cfg, tpu_devices(topology), abstract=True)
+    batch = program.abstract_batch(cfg.data.global_batch_size, cfg.data.seq_len, b.batch_sharding)
     t0 = time.perf_counter()
-    lowered = loop.lower_checked(b, loop.jit_train_step(b), b.state, batch)
+    lowered = program.lower_checked(b, program.jit_train_step(b), b.state, batch)
     t1 = time.perf_counter()
     compiled = lowered.compile(compiler_options=compiler_options)
     return CompiledStep(topology, b, compiled, t1 - t0, time.perf_counter() - t1)
@@ -338,8 +337,8 @@ def exceeds_hbm(error: Exception) -> bool:
 
 def programs(compiled: Any) -> list[tuple[str, jax.stages.Compiled]]:
     """(name, program) of a compiled step: one, or the gradient and the update of
-    train.separate_update (`loop.TwoPrograms`)."""
-    from moetext.train.loop import TwoPrograms
+    train.separate_update (`program.TwoPrograms`)."""
+    from moetext.program import TwoPrograms
 
     if isinstance(compiled, TwoPrograms):
         return [("gradient", compiled.gradient), ("update", compiled.update)]
@@ -498,7 +497,7 @@ def compile_decode_step(
     from moetext import models
     from moetext.errors import ConfigError
     from moetext.models.moe.decode import prefuse_all
-    from moetext.train import loop
+    from moetext.program import make_plan
 
     hbm_bytes(topology)
     cfg = for_tpu(cfg)
@@ -506,7 +505,7 @@ def compile_decode_step(
     devices = tpu_devices(topology)
     n = len(devices)
     cfg = cfg.replace(data=dataclasses.replace(cfg.data, global_batch_size=n))
-    plan = loop.make_plan(cfg, devices)
+    plan = make_plan(cfg, devices)
 
     def prefused() -> nnx.Module:
         model = models.build(cfg.model, cfg.moe, cfg.kernels, rngs=nnx.Rngs(params=0))

@@ -14,16 +14,16 @@ import jax  # isort: skip
 import numpy as np
 from flax import nnx
 
-from moetext import config
+from moetext import config, program
 from moetext.convert.hf import load_model
-from moetext.train import loop, params_from
+from moetext.train import params_from
 
 ckpt, hf = sys.argv[1], sys.argv[2]
 cfg = config.load(
     f"{ckpt}/config.yml",
     ["model.dtype=float32", "data.global_batch_size=4", "sharding.preset=fsdp"],
 )
-plan = loop.make_plan(cfg)
+plan = program.make_plan(cfg)
 params = params_from.load_params(cfg, plan, ckpt)
 _, ref = load_model(hf)
 got = nnx.to_pure_dict(params)

@@ -16,22 +16,21 @@ import jax
 import numpy as np
 
 import moetext  # noqa: F401  (quiets libtpu's TPU probing where there is no TPU)
-from moetext import config
+from moetext import config, program
 from moetext import data as data_lib
-from moetext.train import loop
 
 
 def main(coordinator: str, num_processes: str, process_id: str, out: str, *cfg_args: str) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, int(num_processes), int(process_id))
     cfg = config.load(cfg_args[0], list(cfg_args[1:]))
-    plan = loop.make_plan(cfg)
+    plan = program.make_plan(cfg)
     b = cfg.data.global_batch_size
-    rows = loop.local_rows(plan.batch_sharding, b)
+    rows = program.local_rows(plan.batch_sharding, b)
     data = data_lib.build(cfg.data, cfg.model.vocab_size, rows)
     saved: dict[str, np.ndarray] = {}
     for n in range(3):
-        batch = loop.put_batch(data.next_batch(), plan.batch_sharding, rows, b)
+        batch = program.put_batch(data.next_batch(), plan.batch_sharding, rows, b)
         for key, array in batch.items():
             for shard in array.addressable_shards:
                 for i, r in enumerate(range(*shard.index[0].indices(b))):

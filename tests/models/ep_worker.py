@@ -29,14 +29,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from moetext import config
+from moetext import config, program
 from moetext import data as data_lib
 from moetext.config.schema import KernelsConfig, MoEConfig
 from moetext.models.moe import MoEBlock, ep, gmm_from_config
+from moetext.program.step import make_loss_fn
 from moetext.sharding import logical
 from moetext.sharding.rules import load_preset
-from moetext.train import loop
-from moetext.train.step import make_loss_fn
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs/models/tiny-qwen3-moe.yml"
@@ -289,15 +288,15 @@ def check_train() -> dict[str, Any]:
     for name, over in TRAIN.items():
         c = config.load(TINY, BASE + over)
         single = name == "single"
-        b = loop.build(c, jax.devices()[:1] if single else jax.devices(), abstract=not single)
+        b = program.build(c, jax.devices()[:1] if single else jax.devices(), abstract=not single)
         if single:
             params0, rest0 = b.state.params, b.rest
         p = jax.device_put(params0, b.state_shardings.params)
         data = data_lib.build(c.data, c.model.vocab_size)
-        batch = loop.put_batch(data.next_batch(), b.batch_sharding)
+        batch = program.put_batch(data.next_batch(), b.batch_sharding)
         data.close()
         loss_fn = make_loss_fn(b.graphdef, rest0)
-        lowered = loop.lower_checked(b, jax.jit(lambda p, t, f=loss_fn: f(p, t)[0]), p, batch)
+        lowered = program.lower_checked(b, jax.jit(lambda p, t, f=loss_fn: f(p, t)[0]), p, batch)
         text = lowered.as_text()
         out[name] = {
             "loss": float(lowered.compile()(p, batch)),

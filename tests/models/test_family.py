@@ -1,21 +1,32 @@
 """Model families: one defined in this file alone is registered and trained by the real loop;
-every family's declared counts and logical axes are what its built model really has."""
+every family's declared counts and logical axes are what its built model really has; a family
+with state outside the gradient (model_state_family.py) keeps it out of the optimizer, skips
+it with a non-finite step, and resumes it bit-exactly after kill -9."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 import yaml
 from flax import nnx
+from model_state_family import CountingLM
 from tiny_configs import KERNELS, TINY_MOE, tiny
 
-from moetext import config, models, train
+from fake_devices import running
+from moetext import config, models, program, train
+from moetext import data as data_lib
+from moetext.checkpoint import Checkpointer, CheckpointError, abstract_like
 from moetext.config.schema import KernelsConfig, ModelConfig, MoEConfig
 from moetext.errors import ConfigError
 from moetext.models.flops import dot_product_attention_flops
@@ -26,7 +37,7 @@ from moetext.models.layers.rope import rope_cos_sin
 from moetext.models.moe.block import AUX_KEYS, LOAD_KEY, MoEBlock
 from moetext.models.moe.experts import gmm_from_config
 from moetext.sharding import plan as sharding_plan
-from moetext.train import loop
+from moetext.train import resume
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_YML = REPO / "configs/models/tiny-qwen3-moe.yml"
@@ -232,4 +243,199 @@ def test_a_logical_axis_the_preset_lacks_fails_before_anything_is_built(tmp_path
     )
     cfg = config.load(toy_yml(tmp_path, odd.name), ["data.kind=synthetic"])
     with pytest.raises(ConfigError, match=r"'toy_axis' of model family 'toy_odd_axis'"):
-        loop.build(cfg)
+        program.build(cfg)
+
+
+# --- State outside the gradient: model_state_family.py's step counter and load sum ----------
+
+COUNTER = [
+    "model.family=toy_counter",
+    "data.kind=synthetic",
+    "train.progress_bar=false",
+    "train.peak_tflops=1.0",
+    "train.eval_every=0",
+    "train.tensorboard=false",
+    # Large enough that decaying the model state (were the optimizer to see it) would show.
+    "optim.weight_decay=0.5",
+    "optim.learning_rate=0.01",
+    "optim.warmup_steps=0",
+]
+
+
+def _zeros_batch(cfg) -> dict[str, np.ndarray]:
+    batch = {k: np.zeros((8, cfg.data.seq_len + 1), np.int32) for k in ("tokens", "positions")}
+    batch["segment_ids"] = np.ones_like(batch["tokens"])
+    return batch
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["train.separate_update=true"], ["train.grad_accum_steps=2"]],
+    ids=["one_program", "separate_update", "grad_accum"],
+)
+def test_model_state_is_updated_by_the_step_and_never_by_the_optimizer(extra):
+    cfg = config.load(TINY_YML, [*COUNTER, "train.skip_nonfinite_steps=1", *extra])
+    b = program.build(cfg, jax.devices()[:1])
+    model = nnx.eval_shape(lambda: program.create_model(cfg))
+    assert isinstance(model, CountingLM) and isinstance(model, models.ModelStateLM)
+    assert set(b.state.model_state) == {"steps", "load_sum"} and "steps" not in b.state.params
+    # The optimizer state mirrors the params only: no path in it names a model-state variable.
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(b.state)]
+    assert [p for p in paths if "steps" in p or "load_sum" in p] == [
+        ".model_state['load_sum'].value",
+        ".model_state['steps'].value",
+    ], paths
+    step = program.jit_train_step(b)
+    data = data_lib.build(cfg.data, cfg.model.vocab_size)
+    batches = [program.put_batch(data.next_batch(), b.batch_sharding) for _ in range(3)]
+    state, loads, counted = b.state, [], []
+    with b.plan.rules():
+        for batch in batches:
+            state, m = step(state, batch)
+            loads.append(np.asarray(m["expert_load"]))
+            counted.append(float(m["counted_steps"]))
+    # The forward read the count before each step; the update counted each step once.
+    assert counted == [0.0, 1.0, 2.0] and int(state.model_state["steps"].get_value()) == 3
+    # The sum of the step's aux expert_load, in float32 and in order: no decay, no gradient.
+    want = np.zeros_like(loads[0])
+    for load in loads:
+        want = want + load
+    np.testing.assert_array_equal(np.asarray(state.model_state["load_sum"].get_value()), want)
+
+    # A non-finite step keeps the model state it started from, like params and optimizer state.
+    leaves, treedef = jax.tree.flatten(state.params)
+    leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].set(jnp.nan)
+    poisoned = state.replace(params=jax.tree.unflatten(treedef, leaves))
+    expect = jax.device_get(poisoned.model_state)
+    with b.plan.rules():
+        after, m = step(poisoned, program.put_batch(_zeros_batch(cfg), b.batch_sharding))
+    assert int(m["skipped"]) == 1 and int(after.step) == 4
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(after.model_state), expect)
+
+
+def test_model_state_is_not_differentiated_and_eval_reads_it():
+    from moetext.program.step import make_eval_step, make_loss_fn
+
+    cfg = config.load(TINY_YML, COUNTER)
+    b = program.build(cfg, jax.devices()[:1])
+    batch = program.put_batch(_zeros_batch(cfg), b.batch_sharding)
+    loss_fn = make_loss_fn(b.graphdef, b.rest)
+    grad_fn = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+    with b.plan.rules():
+        (_, (_, aux, _, _)), grads = grad_fn(b.state.params, batch, b.state.model_state)
+        seven = jax.tree.map(lambda x: x + 7, b.state.model_state)
+        out = jax.jit(make_eval_step(b.graphdef, b.rest))(b.state.params, batch, seven)
+    assert jax.tree.structure(grads) == jax.tree.structure(b.state.params)
+    assert float(aux["counted_steps"]) == 0.0 and np.isfinite(float(out["eval_loss"]))
+
+
+def test_model_state_is_saved_and_restored_with_the_train_state(tmp_path):
+    cfg = config.load(
+        TINY_YML,
+        [
+            *COUNTER,
+            "train.steps=4",
+            "train.log_every=2",
+            "checkpoint.every=2",
+            "checkpoint.async_save=false",
+            f"train.run_dir={tmp_path}",
+        ],
+    )
+    train.run(cfg)
+    b = program.build(cfg, abstract=True)
+    ckpt = Checkpointer(cfg.checkpoint, tmp_path)
+    try:
+        for step in (2, 4):
+            state, _, _ = ckpt.restore(step, abstract_like(b.state))
+            assert int(state.model_state["steps"].get_value()) == step == int(state.step)
+    finally:
+        ckpt.close()
+    # Saved under a stable key beside the params: state/model_state/<module path>.
+    meta = json.loads((tmp_path / "checkpoints/4/state/_METADATA").read_text())
+    assert {k.split(",")[0].strip("('") for k in meta["tree_metadata"]} == {
+        "step",
+        "params",
+        "opt_state",
+        "rng",
+        "model_state",
+    }
+    # A checkpoint and a model that disagree on having model state: one clear error first.
+    resume.check_model_state(tmp_path / "checkpoints/4", b.state, "c")
+    none = b.state.replace(model_state=nnx.State({}))
+    with pytest.raises(
+        CheckpointError, match=r"^c holds model_state, but this run's model has none"
+    ):
+        resume.check_model_state(tmp_path / "checkpoints/4", none, "c")
+    old = tmp_path / "old"
+    small = {"step": np.zeros((), np.int32), "params": {"w": np.ones(2, np.float32)}}
+    ocp.PyTreeCheckpointer().save(old / "state", small)
+    resume.check_model_state(old, none, "c")
+    with pytest.raises(
+        CheckpointError, match=r"c holds no model_state, but .* has load_sum, steps"
+    ):
+        resume.check_model_state(old, b.state, "c")
+
+
+def _state_of(run_dir: Path, overrides: list[str], step: int) -> program.TrainState:
+    cfg = config.load(TINY_YML, [*overrides, f"train.run_dir={run_dir}"])
+    b = program.build(cfg, abstract=True)
+    ckpt = Checkpointer(cfg.checkpoint, run_dir)
+    try:
+        state, _, _ = ckpt.restore(step, abstract_like(b.state))
+    finally:
+        ckpt.close()
+    out: program.TrainState = jax.device_get(state)
+    return out
+
+
+@pytest.mark.slow
+def test_model_state_survives_kill_9_and_resume_bit_exactly(tmp_path):
+    same = [
+        *COUNTER,
+        "train.steps=16",
+        "train.log_every=1",
+        "checkpoint.every=4",
+        "checkpoint.async_save=false",
+    ]
+    script = str(Path(__file__).with_name("model_state_family.py"))
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+
+    def cli(run_dir: Path) -> list[str]:
+        return [sys.executable, script, str(TINY_YML), *same, f"train.run_dir={run_dir}"]
+
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    for d in (straight, killed):
+        d.mkdir()
+    ref = subprocess.run(
+        cli(straight), cwd=straight, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    with running(
+        cli(killed), cwd=killed, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    ) as proc:
+        deadline = time.monotonic() + 300
+        while not (killed / "checkpoints/4").is_dir():  # renamed there once complete
+            assert proc.poll() is None, "the run ended before a checkpoint was written"
+            assert time.monotonic() < deadline, "no checkpoint written in time"
+            time.sleep(0.001)
+        proc.kill()  # SIGKILL: no handler runs
+        proc.wait(timeout=30)
+    kept = sorted(int(p.name) for p in (killed / "checkpoints").iterdir() if p.name.isdigit())
+    assert kept and max(kept) < 16, kept
+    again = subprocess.run(
+        cli(killed), cwd=killed, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+
+    rows = [json.loads(line) for line in open(killed / "metrics.jsonl")]
+    compiled = [r["step"] for r in rows if r.get("event") == "compiled"]
+    assert compiled == [0, max(kept)]  # resumed from the last checkpoint
+    # The forward saw the count of steps before it, across the kill, in every row.
+    assert [(r["step"], r["counted_steps"]) for r in rows if "loss" in r] == [
+        (s, float(s - 1)) for s in range(1, 17)
+    ]
+    want = _state_of(straight, same, 16)
+    got = _state_of(killed, same, 16)
+    assert int(got.model_state["steps"].get_value()) == 16
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    jax.tree.map(np.testing.assert_array_equal, got, want)

@@ -14,7 +14,7 @@ from tiny_configs import KERNELS, tiny, tiny_moe
 
 from moetext import models
 from moetext.data.batch import KEYS
-from moetext.train.step import make_eval_step
+from moetext.program.step import make_eval_step
 
 V = 128
 _rng = np.random.default_rng(0)

@@ -21,11 +21,10 @@ import jax
 import numpy as np
 
 from fake_devices import split_like_a_3d_slice
-from moetext import config
+from moetext import config, program
 from moetext import data as data_lib
 from moetext.kernels.gmm import gather
-from moetext.train import loop
-from moetext.train.step import make_loss_fn, make_train_step
+from moetext.program.step import make_loss_fn, make_train_step
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs/models/tiny-qwen3-moe.yml"
@@ -74,9 +73,9 @@ SPEC_PATHS = {
 def run_setting(name: str, overrides: list[str]) -> dict[str, Any]:
     cfg = config.load(TINY, [*BASE, *overrides])
     devices = jax.devices()[:1] if name == "single" else jax.devices()
-    b = loop.build(cfg, devices)
+    b = program.build(cfg, devices)
     data = data_lib.build(cfg.data, cfg.model.vocab_size)
-    batches = [loop.put_batch(data.next_batch(), b.batch_sharding) for _ in range(3)]
+    batches = [program.put_batch(data.next_batch(), b.batch_sharding) for _ in range(3)]
     data.close()
     grad_fn = jax.value_and_grad(make_loss_fn(b.graphdef, b.rest), has_aux=True)
     train_step = make_train_step(b.graphdef, b.rest, b.tx, b.lr_schedule)
@@ -98,7 +97,7 @@ def run_setting(name: str, overrides: list[str]) -> dict[str, Any]:
             b.state_shardings.params,
         ),
     )
-    step = loop.lower_checked(b, jitted, b.state, batches[0]).compile()
+    step = program.lower_checked(b, jitted, b.state, batches[0]).compile()
     state, losses = b.state, []
     for i, batch in enumerate(batches):
         state, metrics, loss, grads = step(state, batch)

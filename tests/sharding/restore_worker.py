@@ -17,15 +17,14 @@ import moetext  # noqa: F401  (quiets libtpu's TPU probing where there is no TPU
 import jax
 import numpy as np
 
-from moetext import config
+from moetext import config, program
 from moetext.checkpoint import Checkpointer, abstract_like
-from moetext.train import loop
 
 
 def restore(run_dir: str) -> tuple[int, Any]:
     """(step, params as NumPy arrays) of the newest checkpoint in run_dir."""
     cfg = config.load(f"{run_dir}/config.yml", [f"train.run_dir={run_dir}"])
-    b = loop.build(cfg)
+    b = program.build(cfg)
     ckpt = Checkpointer(cfg.checkpoint, run_dir)
     step = ckpt.latest_step()
     if step is None:

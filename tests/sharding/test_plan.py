@@ -13,12 +13,11 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from moetext import config
+from moetext import config, program
 from moetext.aot import tpu_devices
 from moetext.config import ConfigError
+from moetext.program import abstract_batch
 from moetext.sharding import logical, mesh, plan, rules
-from moetext.train import loop
-from moetext.train.step import abstract_batch
 
 TINY = os.path.join(os.path.dirname(__file__), "../../configs/models/tiny-qwen3-moe.yml")
 QUIET = ["train.progress_bar=false", "checkpoint.enabled=false"]
@@ -103,7 +102,7 @@ def test_mesh_axes_are_auto(chips8):
 
 
 def test_fsdp_shards_embed_dim_of_every_weight_and_mirrors_into_adam_moments(chips8):
-    b = loop.build(load(), chips8, abstract=True)
+    b = program.build(load(), chips8, abstract=True)
     assert spec_at(b, "embed") == P(None, "fsdp")
     assert spec_at(b, "lm_head") == P(None, "fsdp")
     assert spec_at(b, "layers", 0, "attn", "w_q") == P("fsdp", None, None)
@@ -127,7 +126,9 @@ def _adam_moments(opt_state):
 
 
 def test_fsdp_tp_adds_tensor_on_heads_mlp_and_vocab(chips8):
-    b = loop.build(load("sharding.preset=fsdp_tp", "sharding.mesh.tensor=2"), chips8, abstract=True)
+    b = program.build(
+        load("sharding.preset=fsdp_tp", "sharding.mesh.tensor=2"), chips8, abstract=True
+    )
     assert spec_at(b, "layers", 0, "attn", "w_q") == P("fsdp", "tensor", None)
     assert spec_at(b, "layers", 0, "attn", "w_o") == P("tensor", None, "fsdp")
     assert spec_at(b, "layers", 0, "mlp", "experts", "w_gate") == P(None, "fsdp", "tensor")
@@ -136,14 +137,16 @@ def test_fsdp_tp_adds_tensor_on_heads_mlp_and_vocab(chips8):
 
 
 def test_fsdp_ep_puts_experts_on_the_expert_axis(chips8):
-    b = loop.build(load("sharding.preset=fsdp_ep", "sharding.mesh.expert=4"), chips8, abstract=True)
+    b = program.build(
+        load("sharding.preset=fsdp_ep", "sharding.mesh.expert=4"), chips8, abstract=True
+    )
     assert spec_at(b, "layers", 0, "mlp", "experts", "w_gate") == P("expert", "fsdp", None)
     assert spec_at(b, "layers", 0, "mlp", "experts", "w_down") == P("expert", None, "fsdp")
     assert spec_at(b, "layers", 0, "attn", "w_q") == P("fsdp", None, None)
 
 
 def test_scanned_layers_keep_the_layers_dim_replicated(chips8):
-    b = loop.build(load("model.scan_layers=true"), chips8, abstract=True)
+    b = program.build(load("model.scan_layers=true"), chips8, abstract=True)
     assert spec_at(b, "stacks", 0, "attn", "w_q") == P(None, "fsdp", None, None)
 
 
@@ -189,7 +192,7 @@ def test_axis_size_that_does_not_divide_a_param_dim_names_it(chips8):
         r"\(logical 'kv_heads', size 2\) is not divisible by mesh axis 'tensor' of size 4"
     )
     with pytest.raises(ConfigError, match=msg):
-        loop.build(cfg, chips8, abstract=True)
+        program.build(cfg, chips8, abstract=True)
 
 
 def _preset_without(tmp_path, name: str) -> str:
@@ -206,24 +209,24 @@ def test_param_logical_name_without_rule_names_axis_and_param(tmp_path):
     with pytest.raises(
         ConfigError, match=r"logical axis 'kv_heads' of model family 'qwen3_moe' has no rule"
     ):
-        loop.build(cfg, jax.devices()[:1], abstract=True)
+        program.build(cfg, jax.devices()[:1], abstract=True)
     # Behind it, each param's names are checked too (and name the param).
-    params = nnx.state(nnx.eval_shape(lambda: loop.create_model(cfg)), nnx.Param)
+    params = nnx.state(nnx.eval_shape(lambda: program.create_model(cfg)), nnx.Param)
     with pytest.raises(
         ConfigError, match=r"logical axis 'kv_heads' of param layers.0.attn.w_k has no rule"
     ):
-        loop.make_plan(cfg, jax.devices()[:1]).shardings_for(params)
+        program.make_plan(cfg, jax.devices()[:1]).shardings_for(params)
 
 
 def test_activation_logical_name_without_rule_is_an_error(tmp_path):
-    b = loop.build(load("sharding.mesh.fsdp=1"), jax.devices()[:1], abstract=True)
+    b = program.build(load("sharding.mesh.fsdp=1"), jax.devices()[:1], abstract=True)
     cfg = load(f"sharding.preset={_preset_without(tmp_path, 'length')}", "sharding.mesh.fsdp=1")
     # Trace under a plan whose rules lack "length" (the family check would stop a real run
     # earlier): the activation check names it.
-    b_no_length = dataclasses.replace(b, plan=loop.make_plan(cfg, jax.devices()[:1]))
+    b_no_length = dataclasses.replace(b, plan=program.make_plan(cfg, jax.devices()[:1]))
     batch = abstract_batch(8, 64, b.batch_sharding)
     with pytest.raises(ConfigError, match=r"logical axis 'length' of an activation constraint"):
-        loop.lower_checked(b_no_length, loop.jit_train_step(b), b.state, batch)
+        program.lower_checked(b_no_length, program.jit_train_step(b), b.state, batch)
 
 
 def test_recording_restores_the_lookup():
@@ -247,7 +250,7 @@ def test_malformed_rule_is_an_error(tmp_path):
 
 
 def test_params_are_created_sharded_on_cpu_device():
-    b = loop.build(load("sharding.mesh.fsdp=1"), jax.devices()[:1])
+    b = program.build(load("sharding.mesh.fsdp=1"), jax.devices()[:1])
     leaf = b.state.params["embed"]
     assert isinstance(leaf, nnx.Param)
     assert leaf.sharding.mesh.axis_names == ("data", "fsdp", "expert", "tensor")

@@ -213,8 +213,8 @@ def _dense_step_ops(topology: str, split_dense: bool) -> set[tuple[str, str]]:
 
     from moetext import aot
     from moetext.models.layers.project import project
+    from moetext.program.loss import fused_masked_nll
     from moetext.sharding import fsdp, load_preset, logical
-    from moetext.train.loss import fused_masked_nll
 
     preset = load_preset("fsdp")
     mesh = _fsdp_mesh(topology)

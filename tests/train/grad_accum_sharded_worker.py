@@ -2,7 +2,7 @@
 
 Runs in a fresh interpreter with 4 fake CPU devices (started by tests/fake_devices.py). The
 tiny config (1 layer, f32, MoE aux losses off) under the fsdp preset (fsdp = 4) takes one real
-train step (loop.jit_train_step, traced under the plan's rules as in training) with
+train step (program.jit_train_step, traced under the plan's rules as in training) with
 train.grad_accum_steps = 1 and 2 from the same state and batch: 8 rows, so each micro-batch
 puts one row on each device, and the gradient accumulator is pinned to the params' shardings.
 Prints one JSON line: the metrics' relative errors and the largest param difference in units
@@ -23,9 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moetext import config
+from moetext import config, program
 from moetext import data as data_lib
-from moetext.train import loop
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs/models/tiny-qwen3-moe.yml"
@@ -41,9 +40,9 @@ BASE = [
 ]
 
 
-def one_step(b: loop.Built, batch: Any) -> tuple[Any, dict[str, float]]:
+def one_step(b: program.Built, batch: Any) -> tuple[Any, dict[str, float]]:
     state = jax.tree.map(jnp.copy, b.state)  # the step donates its input state
-    step = loop.lower_checked(b, loop.jit_train_step(b), state, batch).compile()
+    step = program.lower_checked(b, program.jit_train_step(b), state, batch).compile()
     state, metrics = step(state, batch)
     m = {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
     return jax.device_get(state.params), m
@@ -51,11 +50,11 @@ def one_step(b: loop.Built, batch: Any) -> tuple[Any, dict[str, float]]:
 
 def main() -> None:
     cfg = config.load(TINY, BASE)
-    b1 = loop.build(cfg, jax.devices())
+    b1 = program.build(cfg, jax.devices())
     accum = dataclasses.replace(cfg.train, grad_accum_steps=2)
     b2 = dataclasses.replace(b1, cfg=cfg.replace(train=accum))
     data = data_lib.build(cfg.data, cfg.model.vocab_size)
-    batch = loop.put_batch(data.next_batch(), b1.batch_sharding)
+    batch = program.put_batch(data.next_batch(), b1.batch_sharding)
     data.close()
     p1, m1 = one_step(b1, batch)
     p2, m2 = one_step(b2, batch)

@@ -24,10 +24,9 @@ import jax
 import numpy as np
 
 from fake_devices import split_like_a_3d_slice
-from moetext import config
+from moetext import config, program
 from moetext import data as data_lib
-from moetext.train import loop
-from moetext.train.step import make_loss_fn
+from moetext.program.step import make_loss_fn
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs/models/tiny-qwen3-moe.yml"
@@ -49,9 +48,9 @@ SPLIT = {  # run with the fsdp axis split 2 x 4; compared with single-logits-v50
 
 def run_setting(overrides: list[str], devices: int) -> dict[str, Any]:
     cfg = config.load(TINY, [*BASE, *overrides])
-    b = loop.build(cfg, jax.devices()[:devices])
+    b = program.build(cfg, jax.devices()[:devices])
     data = data_lib.build(cfg.data, cfg.model.vocab_size)
-    batch = loop.put_batch(data.next_batch(), b.batch_sharding)
+    batch = program.put_batch(data.next_batch(), b.batch_sharding)
     data.close()
     grad_fn = jax.value_and_grad(make_loss_fn(b.graphdef, b.rest), has_aux=True)
 
@@ -60,7 +59,7 @@ def run_setting(overrides: list[str], devices: int) -> dict[str, Any]:
         return loss, grads
 
     jitted = jax.jit(loss_and_grads, in_shardings=(b.state_shardings.params, b.batch_sharding))
-    compiled = loop.lower_checked(b, jitted, b.state.params, batch).compile()
+    compiled = program.lower_checked(b, jitted, b.state.params, batch).compile()
     loss, grads = compiled(b.state.params, batch)
     return {
         "loss": float(loss),

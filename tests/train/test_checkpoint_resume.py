@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from moetext import config, train
+from moetext import config, program, train
 from moetext.checkpoint import Checkpointer, CheckpointError, check_config
-from moetext.train import loop
 
 # orbax leaves the read coroutines of a failed restore unawaited: expected here.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -87,7 +86,7 @@ def test_broken_newest_checkpoint_is_reported_and_the_previous_one_restored(
 ):
     CORRUPTIONS[damage](run_dir / "checkpoints/4")
     cfg = _cfg(run_dir, "train.steps=6")
-    b = loop.build(cfg, abstract=True)  # restore targets only: nothing compiles
+    b = program.build(cfg, abstract=True)  # restore targets only: nothing compiles
     ckpt = Checkpointer(cfg.checkpoint, run_dir)
     try:
         step, state, meta, data_states = ckpt.restore_latest(b.state)

@@ -16,11 +16,10 @@ import numpy as np
 import pytest
 
 from fake_devices import run_worker
-from moetext import config, train
+from moetext import config, program, train
 from moetext.config import ConfigError
 from moetext.data.batch import from_tokens, target_mask
-from moetext.train import loop
-from moetext.train.step import (
+from moetext.program.step import (
     accumulated_value_and_grad,
     make_eval_step,
     make_loss_fn,
@@ -71,7 +70,7 @@ def _max_abs_diff(a, b) -> float:
 
 def _one_step(b, batch):
     state = jax.tree.map(jnp.copy, b.state)  # the step donates its input state
-    state, metrics = loop.jit_train_step(b)(state, loop.put_batch(batch, b.batch_sharding))
+    state, metrics = program.jit_train_step(b)(state, program.put_batch(batch, b.batch_sharding))
     return jax.device_get(state.params), jax.device_get(metrics)
 
 
@@ -82,7 +81,7 @@ def test_four_micro_batches_equal_the_unsplit_step():
     # Lipschitz in g, so the params test the accumulation (tests/sharding/equivalence_worker.py
     # does the same).
     extra = [*NO_AUX, "optim.eps=1e-3"]
-    b1 = loop.build(_tiny(extra), jax.devices()[:1])
+    b1 = program.build(_tiny(extra), jax.devices()[:1])
     b4 = dataclasses.replace(b1, cfg=_tiny([*extra, "train.grad_accum_steps=4"]))
     batch = _batch(padded=False)
     p0 = jax.device_get(b1.state.params)
@@ -105,7 +104,7 @@ def test_micro_batches_with_uneven_target_counts_give_the_batch_ce_and_grads():
     # Each micro-batch's NLL is divided by the whole batch's target count C: the mean of the
     # micro-batches' own CEs would weigh a padded micro-batch's targets up.
     cfg = _tiny(NO_AUX)
-    b = loop.build(cfg, jax.devices()[:1])
+    b = program.build(cfg, jax.devices()[:1])
     batch = _batch(padded=True)
     counts = np.asarray(split_micro_batches(target_mask(batch), 4)).sum(axis=(1, 2))
     assert counts.tolist() == [15, 31, 32, 22]
@@ -128,7 +127,7 @@ def test_eval_in_micro_batches_equals_the_unsplit_eval():
     # Eval splits the batch like the train step (so it fits where a train micro-batch does):
     # the NLL sum and target count are the whole batch's, moe_loss the micro-batches' mean.
     cfg = _tiny(["moe.z_loss_weight=0.001"])
-    b = loop.build(cfg, jax.devices()[:1])
+    b = program.build(cfg, jax.devices()[:1])
     batch = _batch(padded=True)
     one = jax.device_get(jax.jit(make_eval_step(b.graphdef, b.rest))(b.state.params, batch))
     four = jax.device_get(jax.jit(make_eval_step(b.graphdef, b.rest, 4))(b.state.params, batch))
@@ -147,7 +146,7 @@ def test_moe_aux_losses_are_averaged_over_micro_batches():
     # With the aux loss weights on, only the aux term differs from the unsplit step: it is the
     # mean of the micro-batches' own aux losses (routing statistics of the tokens seen together).
     cfg = _tiny(["moe.z_loss_weight=0.001"])
-    b = loop.build(cfg, jax.devices()[:1])
+    b = program.build(cfg, jax.devices()[:1])
     batch = _batch(padded=True)
     loss_fn = make_loss_fn(b.graphdef, b.rest)
     (l1, (ce1, aux1, _, _)), _ = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(
@@ -197,12 +196,14 @@ def test_bad_grad_accum_steps_are_config_errors():
 
 def test_skip_nonfinite_steps_still_skip_with_micro_batches():
     cfg = _tiny(["train.grad_accum_steps=2", "train.skip_nonfinite_steps=1"])
-    b = loop.build(cfg, jax.devices()[:1])
+    b = program.build(cfg, jax.devices()[:1])
     leaves, treedef = jax.tree.flatten(b.state.params)
     leaves[0] = jnp.full_like(leaves[0], jnp.nan)  # every token's loss becomes NaN
     poisoned = dataclasses.replace(b.state, params=jax.tree.unflatten(treedef, leaves))
     kept = jax.device_get(poisoned.params)
-    state, m = loop.jit_train_step(b)(poisoned, loop.put_batch(_batch(False), b.batch_sharding))
+    state, m = program.jit_train_step(b)(
+        poisoned, program.put_batch(_batch(False), b.batch_sharding)
+    )
     assert int(m["skipped"]) == 1 and int(state.step) == 1
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), kept)
 

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from fake_devices import running
-from moetext import config, train
-from moetext.train import loop, rundir
+from moetext import config, program, train
+from moetext.train import rundir
 from moetext.train.nonfinite import NonFiniteError
 from moetext.train.preemption import Preemption
 
@@ -286,11 +286,11 @@ def test_skip_nonfinite_steps_skips_then_stops_after_n_in_a_row(tmp_path):
 
 def test_skipped_step_keeps_params_and_optimizer_state():
     cfg = config.load(TINY, ["data.kind=synthetic", "train.skip_nonfinite_steps=1"])
-    b = loop.build(cfg)
-    step = loop.jit_train_step(b)
+    b = program.build(cfg)
+    step = program.jit_train_step(b)
     batch = {k: np.zeros((8, cfg.data.seq_len + 1), np.int32) for k in ("tokens", "positions")}
     batch["segment_ids"] = np.ones_like(batch["tokens"])
-    batch = loop.put_batch(batch, b.batch_sharding)
+    batch = program.put_batch(batch, b.batch_sharding)
     with b.plan.rules():
         state, m = step(b.state, batch)
         assert int(m["skipped"]) == 0 and int(state.step) == 1

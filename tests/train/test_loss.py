@@ -14,12 +14,11 @@ import pytest
 from flax import nnx
 
 from fake_devices import run_worker
-from moetext import config, models
+from moetext import config, models, program
 from moetext import data as data_lib
 from moetext.data.batch import from_tokens, target_mask
-from moetext.train import loop
-from moetext.train.loss import chunking, fused_masked_nll, lm_head_nll, masked_nll
-from moetext.train.step import make_loss_fn
+from moetext.program.loss import chunking, fused_masked_nll, lm_head_nll, masked_nll
+from moetext.program.step import make_loss_fn
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs/models/tiny-qwen3-moe.yml"
@@ -184,7 +183,7 @@ def _tiny(extra):
 def test_the_fused_path_needs_a_model_with_hidden_states():
     # qwen3_moe (and dense) provide hidden_states/head_VD; a family with only __call__ (like
     # tests/models/test_family.py's, trained there through the real loop) gets the logits path.
-    model = nnx.eval_shape(lambda: loop.create_model(_tiny([])))
+    model = nnx.eval_shape(lambda: program.create_model(_tiny([])))
     assert isinstance(model, models.HiddenStatesLM)
     assert model.loss_chunk_size == 2048  # the default
 
@@ -203,7 +202,7 @@ def test_fused_loss_equals_the_logits_path_on_a_model():
     results = {}
     for chunk in (100, 0):
         cfg = _tiny([f"model.loss_chunk_size={chunk}"])
-        b = loop.build(cfg, jax.devices()[:1])
+        b = program.build(cfg, jax.devices()[:1])
         tokens = np.random.default_rng(0).integers(0, 512, (4, 17)).astype(np.int32)
         batch = from_tokens(tokens)
         # Two documents in row 0 and padding at the end of row 1: masked targets.
@@ -228,16 +227,16 @@ def test_training_loss_curve_is_unchanged_by_the_fused_loss():
     # float32 compute, so the runs differ by summation order only, which 40 AdamW steps grow to
     # measured 2.1e-5 relative (the largest over the 40 losses). Bound: 1e-4.
     cfg = config.load(TINY, [*QUIET, "train.steps=40", "model.loss_chunk_size=100"])
-    b = loop.build(cfg, jax.devices()[:1])
+    b = program.build(cfg, jax.devices()[:1])
     data = data_lib.build(cfg.data, cfg.model.vocab_size)
-    batches = [loop.put_batch(data.next_batch(), b.batch_sharding) for _ in range(40)]
+    batches = [program.put_batch(data.next_batch(), b.batch_sharding) for _ in range(40)]
     data.close()
     assert any(not np.asarray(target_mask(x)).all() for x in batches)  # some targets masked
     off = config.load(TINY, [*QUIET, "train.steps=40", "model.loss_chunk_size=0"])
-    graphdef_off = nnx.split(nnx.eval_shape(lambda: loop.create_model(off)), nnx.Param, ...)[0]
+    graphdef_off = nnx.split(nnx.eval_shape(lambda: program.create_model(off)), nnx.Param, ...)[0]
     curves = {}
     for name, built in (("fused", b), ("logits", dataclasses.replace(b, graphdef=graphdef_off))):
-        step = loop.jit_train_step(built)
+        step = program.jit_train_step(built)
         state = jax.tree.map(jnp.copy, b.state)  # the step donates its input state
         curves[name] = []
         for batch in batches:

@@ -11,9 +11,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from moetext import config
+from moetext import config, program
 from moetext.data.batch import from_tokens
-from moetext.train import loop
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs/models/tiny-qwen3-moe.yml"
@@ -34,15 +33,15 @@ def _two_steps(separate: bool, extra: tuple[str, ...] = ()):
             *extra,
         ],
     )
-    b = loop.build(cfg)
-    step = loop.jit_train_step(b)
-    assert isinstance(step, loop.TwoPrograms) is separate
+    b = program.build(cfg)
+    step = program.jit_train_step(b)
+    assert isinstance(step, program.TwoPrograms) is separate
     rng = np.random.default_rng(0)
     init = jax.device_get(b.state.params)
     state, metrics = b.state, []
     for _ in range(2):
         batch = from_tokens(rng.integers(0, 512, (B, S + 1)).astype(np.int32))
-        state, m = step(state, loop.put_batch(batch, b.batch_sharding))
+        state, m = step(state, program.put_batch(batch, b.batch_sharding))
         metrics.append(jax.device_get(m))
     return jax.device_get(state), metrics, init
 

@@ -23,8 +23,9 @@ from moetext.errors import ConfigError
 from moetext.generate.decode import Generated, generate_ids
 from moetext.generate.sampling import Sampling
 from moetext.models.moe.decode import prefuse_all
+from moetext.program import make_plan
 from moetext.sharding.plan import Plan
-from moetext.train import loop, params_from
+from moetext.train import params_from
 
 
 def batch_shards(plan: Plan) -> int:
@@ -71,7 +72,7 @@ def load(
             f"tokenizer {path} has {tok.vocab_size} tokens, more than model.vocab_size="
             f"{cfg.model.vocab_size}"
         )
-    plan = loop.make_plan(cfg)
+    plan = make_plan(cfg)
     params = params_from.load_params(cfg, plan, checkpoint)
     abstract = nnx.eval_shape(
         lambda: models.build(cfg.model, cfg.moe, cfg.kernels, rngs=nnx.Rngs(params=0))

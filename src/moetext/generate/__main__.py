@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("absl").setLevel(logging.ERROR)
     try:
         from moetext.generate import Sampling, batch_shards, generate_text, load
-        from moetext.train.loop import make_plan
+        from moetext.program import make_plan
 
         sampling = Sampling(args.temperature, args.top_k, args.top_p)
         t0 = time.perf_counter()

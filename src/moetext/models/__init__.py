@@ -10,6 +10,7 @@ from moetext.models.family import (
     CausalLM,
     HiddenStatesLM,
     ModelFamily,
+    ModelStateLM,
     ParamCounts,
     available_families,
     build,
@@ -20,6 +21,7 @@ from moetext.models.family import (
     register_family,
     zeros_cache,
 )
+from moetext.models.layers.params import ModelState
 
 # The built-in families: each registers itself on import (one line per family).
 from moetext.models import qwen3_moe  # noqa: E402, F401  isort: skip
@@ -29,6 +31,8 @@ __all__ = [
     "CausalLM",
     "HiddenStatesLM",
     "ModelFamily",
+    "ModelState",
+    "ModelStateLM",
     "ParamCounts",
     "available_families",
     "build",

@@ -71,7 +71,7 @@ class HiddenStatesLM(CausalLM, Protocol):
 
     hidden_states returns (x_BSD, aux): `__call__` before its LM head, so the logits are
     x_BSD @ head_VD().T (x_BSD in the compute dtype, head_VD() [V, D] in any float dtype);
-    loss_chunk_size is the most vocab rows per chunk of the fused loss (train/loss.py), 0 to
+    loss_chunk_size is the most vocab rows per chunk of the fused loss (program/loss.py), 0 to
     compute the loss from the logits."""
 
     @property
@@ -86,6 +86,21 @@ class HiddenStatesLM(CausalLM, Protocol):
     ) -> tuple[jax.Array, dict[str, jax.Array]]: ...
 
     def head_VD(self) -> jax.Array: ...
+
+
+@runtime_checkable
+class ModelStateLM(CausalLM, Protocol):
+    """A CausalLM holding `ModelState` variables (models/layers/params.py) that change outside the
+    gradient (optional; a model without it keeps its ModelState as built).
+
+    The train step calls update_model_state(aux) once per optimizer step, after the update,
+    inside the jitted step, on the model merged from the new params and the current model
+    state: aux is the dict its forward returned for the step's batch (with gradient accumulation
+    each entry is the mean over the micro-batches). It assigns its ModelState variables' new
+    values (`var.value = ...`, traced: no host sync); a step skipped as non-finite keeps the old
+    ones."""
+
+    def update_model_state(self, aux: dict[str, jax.Array]) -> None: ...
 
 
 Builder = Callable[[ModelConfig, MoEConfig, KernelsConfig, nnx.Rngs], nnx.Module]

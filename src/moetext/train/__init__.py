@@ -1,5 +1,6 @@
-"""Training: state, jitted step, metrics, and the loop."""
+"""Training: the loop and what it calls (resume, evaluation, throughput, metrics, checkpoints).
+What it compiles (model, plan, train and eval steps) is built by moetext.program."""
 
-from moetext.train.loop import build, run
+from moetext.train.loop import run
 
-__all__ = ["build", "run"]
+__all__ = ["run"]

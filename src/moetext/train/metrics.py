@@ -15,13 +15,7 @@ import numpy.typing as npt
 from etils import epath
 
 from moetext.models.moe import LOAD_KEY  # expert_load [num_moe_layers, E] in a metrics row
-from moetext.train.peak import Peak
 from moetext.train.tensorboard import TensorBoardSink, numeric
-
-
-def mfu(flops_per_token: float, tokens_per_s: float, peak: Peak, num_devices: int) -> float:
-    """Model FLOP/s per device over the peak; the peak rises instead of MFU exceeding 1."""
-    return peak.mfu(flops_per_token * tokens_per_s / num_devices)
 
 
 def to_host(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -3,6 +3,9 @@
 Every parameter carries its logical axes (`out_sharding` metadata, read back with
 `nnx.get_partition_spec`); the sharding layer maps them to mesh axes. Eager sharding is off so a
 model builds on a laptop with no mesh; the trainer places parameters from the logical names.
+
+`ModelState` is the other kind of model variable the trainer keeps: state that is not a
+parameter (a router's selection bias, counters).
 """
 
 from __future__ import annotations
@@ -26,6 +29,24 @@ def as_dtype(name: DTypeLike) -> jnp.dtype:
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r}; valid names: {', '.join(sorted(_DTYPES))}")
     return jnp.dtype(_DTYPES[name])
+
+
+class ModelState(nnx.Variable[jax.Array]):
+    """A model variable that is not a parameter: never differentiated, never seen by the
+    optimizer or its weight decay. The train state carries it beside the params (sharded by its
+    logical axes like them, saved in checkpoints as `model_state`); the forward reads it, and
+    only the model's `update_model_state` (models.ModelStateLM), called by the train step after
+    the optimizer update, changes it. Create one with `make_model_state`, which names its
+    logical axes as `make_param` does a parameter's."""
+
+
+def make_model_state(value: jax.Array, names: Sequence[str | None]) -> ModelState:
+    """A ModelState holding `value`, annotated with logical axis `names` (() for a scalar)."""
+    if len(names) != value.ndim:
+        raise ValueError(
+            f"logical names {tuple(names)} do not match model state shape {tuple(value.shape)}"
+        )
+    return ModelState(value, out_sharding=tuple(names), eager_sharding=False)
 
 
 def make_param(

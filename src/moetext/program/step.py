@@ -1,4 +1,4 @@
-"""The train and eval steps (jitted by moetext.train.loop): loss + grads + update, metrics out.
+"""The train and eval steps (jitted by moetext.program.build): loss + grads + update, metrics out.
 
 Legend: B batch, S sequence, D emb_dim, V vocab, N micro-batches (train.grad_accum_steps),
 M = B / N rows per micro-batch, X any trailing dims. A batch (moetext.data.batch) is a dict of
@@ -16,35 +16,43 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec, Sharding
+from jax.sharding import NamedSharding, PartitionSpec
 
-from moetext.data.batch import KEYS, target_mask
-from moetext.models import HiddenStatesLM
-from moetext.train.loss import fused_masked_nll, masked_nll
-from moetext.train.state import TrainState
+from moetext.data.batch import target_mask
+from moetext.models import HiddenStatesLM, ModelState, ModelStateLM
+from moetext.program.loss import fused_masked_nll, masked_nll
+from moetext.program.state import TrainState
 
 Batch = dict[str, jax.Array]
 Params = nnx.State[Any, Any]  # the nnx.Param state of the model (TrainState.params)
+# Its models.ModelState variables (TrainState.model_state): read by the forward, not
+# differentiated. None for a caller that has none (a model without ModelState).
+ModelStates = nnx.State[Any, Any] | None
 Metrics = dict[str, jax.Array]  # scalars, and per-layer arrays such as expert_load
 # loss_fn's auxiliary output: (ce, the model's aux dict, nll_sum, count).
 LossAux = tuple[jax.Array, dict[str, jax.Array], jax.Array, jax.Array]
-LossFn = Callable[[Params, Batch], tuple[jax.Array, LossAux]]
-GradFn = Callable[[Params, Batch], tuple[tuple[jax.Array, LossAux], Params]]
+LossFn = Callable[[Params, Batch, ModelStates], tuple[jax.Array, LossAux]]
+GradFn = Callable[[Params, Batch, ModelStates], tuple[tuple[jax.Array, LossAux], Params]]
 # What the update needs of the loss besides the gradient: (loss, ce, the model's aux dict).
 Losses = tuple[jax.Array, jax.Array, dict[str, jax.Array]]
 
 
 def make_loss_fn(graphdef: nnx.GraphDef[Any], rest: nnx.State[Any, Any]) -> LossFn:
-    """loss_fn(params, batch) -> (ce + moe_loss, (ce, aux, nll_sum, count)).
+    """loss_fn(params, batch, model_state=None) -> (ce + moe_loss, (ce, aux, nll_sum, count)).
 
     ce is the mean NLL over the counted targets: not padding, and in the same segment as their
     input token (a document's first token is not predicted from the previous document). A model
     with hidden states (models.HiddenStatesLM) and loss_chunk_size > 0 gets the fused,
-    vocab-chunked LM head + cross-entropy (train/loss.py); any other the full logits.
+    vocab-chunked LM head + cross-entropy (program/loss.py); any other the full logits.
+    Differentiated with respect to params only (argument 0): model_state (the model's
+    ModelState variables, required when it has any) is read, never a gradient's.
     """
 
-    def loss_fn(params: Params, batch: Batch) -> tuple[jax.Array, LossAux]:
-        model = nnx.merge(graphdef, params, rest)
+    def loss_fn(
+        params: Params, batch: Batch, model_state: ModelStates = None
+    ) -> tuple[jax.Array, LossAux]:
+        states = (params, rest) if model_state is None else (params, model_state, rest)
+        model = nnx.merge(graphdef, *states)
         tokens_BS1, seg_BS1 = batch["tokens"], batch["segment_ids"]
         inputs = {
             "positions_BS": batch["positions"][:, :-1],
@@ -94,12 +102,18 @@ def make_train_step_parts(
     """The train step's two halves: train_step_gradient(state, batch) -> (grads, (loss, ce, aux))
     and train_step_update(state, grads, (loss, ce, aux)) -> (state after one update, metrics):
     loss, ce_loss, grad_norm, lr (of the step taken) and the model's aux outputs (moe_loss,
-    expert_load, ...). `loop.jit_train_step` jits them as one program (`make_train_step`) or,
-    with train.separate_update, as two.
+    expert_load, ...). `program.jit_train_step` jits them as one program (`make_train_step`)
+    or, with train.separate_update, as two.
 
-    skip_nonfinite: a step whose loss or grad norm is NaN/Inf keeps the params and optimizer
-    state it started from (the step counter still advances) and reports `skipped` = 1 (0 for a
-    finite step; the key exists only with skip_nonfinite).
+    The update also advances the model state: a model with ModelState variables that follows
+    models.ModelStateLM has `update_model_state(aux)` called on it, merged from the new params
+    and the state's model_state, and the new ModelState values become the state's; the
+    optimizer never sees them. A model without ModelState compiles to the same program as
+    before there was any.
+
+    skip_nonfinite: a step whose loss or grad norm is NaN/Inf keeps the params, optimizer state
+    and model state it started from (the step counter still advances) and reports `skipped` = 1
+    (0 for a finite step; the key exists only with skip_nonfinite).
     grad_accum_steps: N > 1 computes the gradient over N micro-batches of the batch in a scan
     (`accumulated_value_and_grad`), then takes one update; param_shardings (a tree like the
     params) and batch_sharding (the batch's) pin the accumulator and the micro-batches."""
@@ -111,8 +125,19 @@ def make_train_step_parts(
         )
 
     def train_step_gradient(state: TrainState, batch: Batch) -> tuple[Params, Losses]:
-        (loss, (ce, aux, _, _)), grads = grad_fn(state.params, batch)
+        (loss, (ce, aux, _, _)), grads = grad_fn(state.params, batch, state.model_state)
         return grads, (loss, ce, aux)
+
+    def next_model_state(params: Params, state: TrainState, aux: dict[str, jax.Array]) -> Any:
+        if not jax.tree.leaves(state.model_state):
+            return state.model_state
+        # copy: update_model_state sets new Variables, leaving the state's own (the values a
+        # skipped step keeps) as they were.
+        model = nnx.merge(graphdef, params, state.model_state, rest, copy=True)
+        if not isinstance(model, ModelStateLM):
+            return state.model_state
+        model.update_model_state(aux)
+        return nnx.state(model, ModelState)
 
     def train_step_update(
         state: TrainState, grads: Params, losses: Losses
@@ -120,6 +145,7 @@ def make_train_step_parts(
         loss, ce, aux = losses
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        model_state = next_model_state(params, state, aux)
         grad_norm = optax.tree.norm(grads)
         metrics: Metrics = {
             "loss": loss,
@@ -134,9 +160,14 @@ def make_train_step_parts(
             keep = lambda new, old: jnp.where(finite, new, old)
             params = jax.tree.map(keep, params, state.params)
             opt_state = jax.tree.map(keep, opt_state, state.opt_state)
+            model_state = jax.tree.map(keep, model_state, state.model_state)
             metrics["skipped"] = 1 - finite.astype(jnp.int32)
         new_state = dataclasses.replace(
-            state, step=state.step + 1, params=params, opt_state=opt_state
+            state,
+            step=state.step + 1,
+            params=params,
+            opt_state=opt_state,
+            model_state=model_state,
         )
         return new_state, metrics
 
@@ -162,9 +193,9 @@ def accumulated_value_and_grad(
     """
 
     def micro_loss(
-        params: Params, micro: Batch, total: jax.Array
+        params: Params, micro: Batch, total: jax.Array, model_state: ModelStates
     ) -> tuple[jax.Array, tuple[dict[str, jax.Array], jax.Array]]:
-        _, (_, aux, nll_sum, _) = loss_fn(params, micro)
+        _, (_, aux, nll_sum, _) = loss_fn(params, micro, model_state)
         return nll_sum / total + aux["moe_loss"] / n, (aux, nll_sum)
 
     micro_grad = jax.value_and_grad(micro_loss, has_aux=True)
@@ -177,13 +208,15 @@ def accumulated_value_and_grad(
         pinned: Params = jax.tree.map(jax.lax.with_sharding_constraint, grads, param_shardings)
         return pinned
 
-    def value_and_grad(params: Params, batch: Batch) -> tuple[tuple[jax.Array, LossAux], Params]:
+    def value_and_grad(
+        params: Params, batch: Batch, model_state: ModelStates = None
+    ) -> tuple[tuple[jax.Array, LossAux], Params]:
         count = jnp.sum(target_mask(batch), dtype=jnp.float32)
         total = jnp.maximum(count, 1.0)
         micro = {k: split_micro_batches(v, n, batch_sharding) for k, v in batch.items()}
 
         def body(acc: Params, mb: Batch) -> tuple[Params, tuple[Any, ...]]:
-            (_, (aux, nll_sum)), grads = micro_grad(params, mb, total)
+            (_, (aux, nll_sum)), grads = micro_grad(params, mb, total, model_state)
             acc = pin(jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads))
             return acc, (aux, nll_sum)
 
@@ -229,9 +262,10 @@ def make_eval_step(
     rest: nnx.State[Any, Any],
     micro_batches: int = 1,
     batch_sharding: NamedSharding | None = None,
-) -> Callable[[Params, Batch], Metrics]:
-    """eval_step(params, batch): eval_loss (ce + moe_loss) and eval_ce_loss of the batch, and
-    eval_nll_sum / eval_tokens for a token-weighted CE (perplexity) across batches.
+) -> Callable[[Params, Batch, ModelStates], Metrics]:
+    """eval_step(params, batch, model_state=None): eval_loss (ce + moe_loss) and eval_ce_loss
+    of the batch, and eval_nll_sum / eval_tokens for a token-weighted CE (perplexity) across
+    batches.
 
     micro_batches N > 1 (train.grad_accum_steps) evaluates the batch as a lax.scan over N
     micro-batches split like the train step's, so eval fits wherever a train micro-batch does:
@@ -248,26 +282,17 @@ def make_eval_step(
             "eval_tokens": count,
         }
 
-    def eval_step(params: Params, batch: Batch) -> Metrics:
+    def eval_step(params: Params, batch: Batch, model_state: ModelStates = None) -> Metrics:
         if micro_batches == 1:
-            _, (_, aux, nll_sum, count) = loss_fn(params, batch)
+            _, (_, aux, nll_sum, count) = loss_fn(params, batch, model_state)
             return metrics(nll_sum, count, aux["moe_loss"])
         micro = {k: split_micro_batches(v, micro_batches, batch_sharding) for k, v in batch.items()}
 
         def body(carry: None, mb: Batch) -> tuple[None, tuple[jax.Array, ...]]:
-            _, (_, aux, nll_sum, count) = loss_fn(params, mb)
+            _, (_, aux, nll_sum, count) = loss_fn(params, mb, model_state)
             return carry, (nll_sum, count, aux["moe_loss"])
 
         _, (nll_sums, counts, moe_losses) = jax.lax.scan(body, None, micro)
         return metrics(jnp.sum(nll_sums), jnp.sum(counts), jnp.mean(moe_losses))
 
     return eval_step
-
-
-def abstract_batch(
-    batch_size: int, seq_len: int, sharding: Sharding
-) -> dict[str, jax.ShapeDtypeStruct]:
-    """The batch as ShapeDtypeStructs (int32 [B, S + 1] each) for ahead-of-time lowering."""
-    shape = (batch_size, seq_len + 1)
-    # jax: ShapeDtypeStruct.__init__ is unannotated.
-    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in KEYS}  # type: ignore[no-untyped-call]
