@@ -12,9 +12,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from moetext.kernels.fp8 import reference as ref
 from moetext.kernels.gmm import Gmm, available_backends, get_backend
 from moetext.kernels.quant import Fp8Blockwise
+from moetext.kernels.quant import fp8_reference as ref
 
 # Emulated backends multiply float32-dequantized operands (one float32 rounding each) and the
 # FP8 kernels multiply exactly; both accumulate in float32: ~K * 2^-24 of the largest output.

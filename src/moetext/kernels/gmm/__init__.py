@@ -5,11 +5,13 @@
     dw  = op.tgmm(lhs, dout, group_sizes)             # [M,K] x [M,N]   -> [G,K,N]
     out = gmm(lhs, rhs, group_sizes, backend="auto")  # the same, one call
 
-Two declared seams: `GmmBackend` (backend.py: forward math, optional fused kernels for scaled
-operands) and `Recipe` (recipe.py: quantization and autodiff around any backend; the quantized
-recipes are in `moetext.kernels.quant`). Importing this package registers every backend whose
-dependencies import: reference, ragged_dot, blocked always; tokamax when installed; pallas_tpu
-when its module is present.
+Two declared seams: `GmmBackend` (backend.py: forward math) and `Recipe` (recipe.py:
+quantization and autodiff around any backend; the quantized recipes are in
+`moetext.kernels.quant`). Both take the per-call options as one `GmmCall` (backend.py). The
+Pallas kernel bodies the pallas_tpu backend runs are in `moetext.kernels.pallas`.
+
+Importing this package registers every backend whose dependencies import: reference,
+ragged_dot, blocked always; tokamax when installed; pallas_tpu when its module is present.
 """
 
 import importlib as _importlib
@@ -18,7 +20,7 @@ from moetext.kernels.gmm import blocked, ragged_dot, reference  # noqa: F401  (r
 from moetext.kernels.gmm.api import Gmm, gmm, local_row_mask, tgmm
 from moetext.kernels.gmm.backend import (
     GmmBackend,
-    ScaledKernels,
+    GmmCall,
     Tiling,
     auto_backend_name,
     available_backends,
@@ -40,9 +42,9 @@ __all__ = [
     "Gather",
     "Gmm",
     "GmmBackend",
+    "GmmCall",
     "NoQuantization",
     "Recipe",
-    "ScaledKernels",
     "Tiling",
     "all_gather_dims",
     "auto_backend_name",

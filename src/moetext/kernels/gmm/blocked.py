@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
-from moetext.kernels.gmm.backend import GmmBackend, TilingArg, register
-from moetext.kernels.pallas_common import pow2_ceil
+from moetext.kernels.gmm.backend import GmmBackend, GmmCall, TilingArg, register
+from moetext.kernels.pallas.common import pow2_ceil
 
 _MAX_TM = 512  # larger full tiles gain nothing measurable on XLA:CPU and raise the waste bound
 _MIN_TM = 128  # below this a full tile is too small to reach matmul speed
@@ -49,7 +49,7 @@ def choose_tiles(m: int, num_local: int, tiling: TilingArg = None) -> tuple[int,
     """
     if tiling is not None and not callable(tiling):
         tm = pow2_ceil(tiling[0])
-    else:  # a callable tiling is a per-chip TPU table (tiling.py); CPU tiles are chosen here
+    else:  # a callable tiling is a per-chip TPU table (pallas/tiling.py); CPU tiles are chosen here
         tm = min(_MAX_TM, max(_MIN_TM, pow2_ceil(2 * m // max(num_local, 1))))
     tm = min(tm, 1 << (max(m, 1).bit_length() - 1))
     smallest = min(tm, max(8, tm // _SIZES_BELOW_TM))
@@ -221,45 +221,29 @@ class BlockedBackend(GmmBackend):
     name: ClassVar[str] = "blocked"
 
     def gmm(
-        self,
-        lhs: jax.Array,
-        rhs: jax.Array,
-        group_sizes: jax.Array,
-        *,
-        preferred_element_type: DTypeLike,
-        transpose_rhs: bool,
-        group_offset: jax.Array,
-        tiling: TilingArg,
+        self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, call: GmmCall
     ) -> jax.Array:
         return blocked_gmm(
             lhs,
             rhs,
             group_sizes,
-            preferred_element_type=preferred_element_type,
-            transpose_rhs=transpose_rhs,
-            group_offset=group_offset,
-            tiling=tiling,
+            preferred_element_type=call.out_dtype,
+            transpose_rhs=call.transpose_rhs,
+            group_offset=call.group_offset,
+            tiling=call.tiling,
         )
 
     def tgmm(
-        self,
-        lhs: jax.Array,
-        rhs: jax.Array,
-        group_sizes: jax.Array,
-        *,
-        num_groups: int,
-        preferred_element_type: DTypeLike,
-        group_offset: jax.Array,
-        tiling: TilingArg,
+        self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, call: GmmCall
     ) -> jax.Array:
         return blocked_tgmm(
             lhs,
             rhs,
             group_sizes,
-            num_groups=num_groups,
-            preferred_element_type=preferred_element_type,
-            group_offset=group_offset,
-            tiling=tiling,
+            num_groups=call.local_groups,
+            preferred_element_type=call.out_dtype,
+            group_offset=call.group_offset,
+            tiling=call.tiling,
         )
 
 

@@ -10,7 +10,7 @@ the bytes and the full-size gradient buffer the reduction needs, at bf16 summati
 The plain path (`gather_weight`) casts the slice to the compute dtype first, so the wire carries
 bf16 rather than f32 master weights, and reduce-scatters the gradient in the slice's own dtype
 (f32 master weights get an f32 reduction). This is `Recipe.gathered_gmm`'s default; the
-fp8_blockwise recipe with `qag=True` replaces it with a quantized all-gather (kernels/fp8/qag.py).
+fp8_blockwise recipe with `qag=True` replaces it with a quantized all-gather (kernels/quant/qag.py).
 
 `reduce_scatter_tiled` is the memory-lean form of the gradient's reduction: it computes the
 full-size gradient a tile at a time and reduce-scatters each tile before computing the next, so

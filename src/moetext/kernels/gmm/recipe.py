@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from moetext.kernels.gmm.backend import GmmBackend, TilingArg
+from moetext.kernels.gmm.backend import GmmBackend, GmmCall
 from moetext.kernels.gmm.gather import (
     Gather,
     all_gather_dims,
@@ -38,8 +38,9 @@ from moetext.kernels.typed_jax import optimization_barrier
 class Recipe(abc.ABC):
     """How a grouped matmul and its gradients run on (possibly quantized) operands.
 
-    Required: `name` (the registry name), and differentiable `gmm` / `tgmm` taking the backend
-    plus the arguments of the backend protocol (shapes already checked by `api.Gmm`).
+    Required: `name` (the registry name), and differentiable `gmm` / `tgmm` taking the backend,
+    the operands and the `GmmCall` the backend protocol takes (shapes already checked by
+    `api.Gmm`).
 
     Optional hooks (defaults below):
       `quantizes`: False only for the identity; "auto" settings key off it.
@@ -59,13 +60,9 @@ class Recipe(abc.ABC):
         self,
         backend: GmmBackend,
         lhs: jax.Array,  # [M, K]
-        rhs: jax.Array,  # [G_local, K, N] ([G_local, N, K] when transpose_rhs)
+        rhs: jax.Array,  # [G_local, K, N] ([G_local, N, K] when call.transpose_rhs)
         group_sizes: jax.Array,  # [G] int32
-        *,
-        preferred_element_type: DTypeLike,
-        transpose_rhs: bool,
-        group_offset: jax.Array,  # [] int32
-        tiling: TilingArg,
+        call: GmmCall,
     ) -> jax.Array:
         """[M, N], differentiable in lhs and rhs (gradients in their dtypes)."""
 
@@ -76,11 +73,7 @@ class Recipe(abc.ABC):
         lhs: jax.Array,  # [M, K]
         rhs: jax.Array,  # [M, N]
         group_sizes: jax.Array,
-        *,
-        num_groups: int,
-        preferred_element_type: DTypeLike,
-        group_offset: jax.Array,
-        tiling: TilingArg,
+        call: GmmCall,  # call.num_groups = G_local
     ) -> jax.Array:
         """[G_local, K, N], differentiable in lhs and rhs."""
 
@@ -90,13 +83,10 @@ class Recipe(abc.ABC):
         lhs: jax.Array,
         rhs: jax.Array,  # this shard's slice of the weights, split along `gather`
         group_sizes: jax.Array,
+        call: GmmCall,
         *,
         gather: Gather,
         grad_reduce_dtype: DTypeLike | None,
-        preferred_element_type: DTypeLike,
-        transpose_rhs: bool,
-        group_offset: jax.Array,
-        tiling: TilingArg,
         regather: bool = False,
     ) -> jax.Array:
         """gmm on the all-gathered weights; the weight gradient is reduce-scattered back to the
@@ -109,16 +99,7 @@ class Recipe(abc.ABC):
                 f"gmm; it is by quantization 'none'"
             )
         full = gather_weight(rhs, gather, lhs.dtype, grad_reduce_dtype)
-        return self.gmm(
-            backend,
-            lhs,
-            full,
-            group_sizes,
-            preferred_element_type=preferred_element_type,
-            transpose_rhs=transpose_rhs,
-            group_offset=group_offset,
-            tiling=tiling,
-        )
+        return self.gmm(backend, lhs, full, group_sizes, call)
 
     def store_residual(self, backend: GmmBackend, x: jax.Array) -> Any:
         """What the backward keeps of activation x (a pytree); the default is x itself."""
@@ -144,16 +125,9 @@ class NoQuantization(Recipe):
         lhs: jax.Array,
         rhs: jax.Array,
         group_sizes: jax.Array,
-        *,
-        preferred_element_type: DTypeLike,
-        transpose_rhs: bool,
-        group_offset: jax.Array,
-        tiling: TilingArg,
+        call: GmmCall,
     ) -> jax.Array:
-        pet = jnp.dtype(preferred_element_type)
-        out: jax.Array = _gmm(
-            backend, pet, transpose_rhs, tiling, lhs, rhs, group_sizes, group_offset
-        )
+        out: jax.Array = _gmm(backend, lhs, rhs, group_sizes, call)
         return out
 
     def tgmm(
@@ -162,16 +136,9 @@ class NoQuantization(Recipe):
         lhs: jax.Array,
         rhs: jax.Array,
         group_sizes: jax.Array,
-        *,
-        num_groups: int,
-        preferred_element_type: DTypeLike,
-        group_offset: jax.Array,
-        tiling: TilingArg,
+        call: GmmCall,
     ) -> jax.Array:
-        pet = jnp.dtype(preferred_element_type)
-        out: jax.Array = _tgmm(
-            backend, pet, num_groups, tiling, lhs, rhs, group_sizes, group_offset
-        )
+        out: jax.Array = _tgmm(backend, lhs, rhs, group_sizes, call)
         return out
 
     def gathered_gmm(
@@ -180,13 +147,10 @@ class NoQuantization(Recipe):
         lhs: jax.Array,
         rhs: jax.Array,
         group_sizes: jax.Array,
+        call: GmmCall,
         *,
         gather: Gather,
         grad_reduce_dtype: DTypeLike | None,
-        preferred_element_type: DTypeLike,
-        transpose_rhs: bool,
-        group_offset: jax.Array,
-        tiling: TilingArg,
         regather: bool = False,
     ) -> jax.Array:
         """The default's math (gmm on the all-gathered weights), one custom_vjp over both: the
@@ -194,159 +158,112 @@ class NoQuantization(Recipe):
         backward gathers the weights again rather than keeping the forward's gathered copy."""
         s = _GatheredStatic(
             backend,
-            jnp.dtype(preferred_element_type),
-            bool(transpose_rhs),
-            tiling,
             gather,
             None if grad_reduce_dtype is None else jnp.dtype(grad_reduce_dtype),
             jnp.dtype(rhs.dtype),
             bool(regather),
         )
-        out: jax.Array = _gathered_gmm(s, lhs, rhs, group_sizes, group_offset)
+        out: jax.Array = _gathered_gmm(s, lhs, rhs, group_sizes, call)
         return out
 
 
 # --- the custom_vjp over the backend protocol --------------------------------------------------
 
-_Res = tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # lhs, rhs, group_sizes, group_offset
+_Res = tuple[jax.Array, jax.Array, jax.Array, GmmCall]  # lhs, rhs, group_sizes, call
 _Grads = tuple[jax.Array, jax.Array, None, None]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _gmm(
+def gmm_backward(
     be: GmmBackend,
-    pet: jnp.dtype,
-    transpose_rhs: bool,
-    tiling: TilingArg,
     lhs: jax.Array,
     rhs: jax.Array,
     group_sizes: jax.Array,
-    group_offset: jax.Array,
+    call: GmmCall,
+    dout: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """(dlhs, drhs) of out = gmm(lhs, rhs, call) on `be`: dlhs = gmm(dout, rhs, transpose_rhs
+    flipped), drhs = tgmm(lhs, dout) (operands swapped when rhs is transposed), each in its
+    operand's dtype."""
+    dlhs = be.gmm(dout, rhs, group_sizes, dlhs_call(call, lhs.dtype))
+    a, b = (dout, lhs) if call.transpose_rhs else (lhs, dout)
+    drhs = be.tgmm(a, b, group_sizes, tgmm_call(call, rhs.shape[0], rhs.dtype))
+    return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype)
+
+
+def tgmm_backward(
+    be: GmmBackend,
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    call: GmmCall,
+    dout: jax.Array,
+    *,
+    cast_dout: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """(dlhs, drhs) of out = tgmm(lhs, rhs, call) on `be`: out[g] = lhs_g.T @ rhs_g, so
+    dlhs_g = rhs_g @ dout[g].T and drhs_g = lhs_g @ dout[g], each in its operand's dtype.
+    cast_dout: dout is cast to the other operand's dtype first (the FP8 recipes' second-order
+    gradient, on dequantized residuals)."""
+    d_r, d_l = (dout.astype(rhs.dtype), dout.astype(lhs.dtype)) if cast_dout else (dout, dout)
+    dlhs = be.gmm(rhs, d_r, group_sizes, gmm_call(call, lhs.dtype, transpose_rhs=True))
+    drhs = be.gmm(lhs, d_l, group_sizes, gmm_call(call, rhs.dtype, transpose_rhs=False))
+    return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype)
+
+
+def gmm_call(call: GmmCall, out_dtype: DTypeLike, *, transpose_rhs: bool) -> GmmCall:
+    """A gmm with `call`'s group offset and tiling (a backward's dlhs)."""
+    return GmmCall(jnp.dtype(out_dtype), call.group_offset, call.tiling, transpose_rhs)
+
+
+def dlhs_call(call: GmmCall, out_dtype: DTypeLike) -> GmmCall:
+    """The gmm that gives dlhs of gmm(lhs, rhs, call): dout @ rhs with transpose_rhs flipped."""
+    return gmm_call(call, out_dtype, transpose_rhs=not call.transpose_rhs)
+
+
+def tgmm_call(call: GmmCall, num_groups: int, out_dtype: DTypeLike) -> GmmCall:
+    """A tgmm with `call`'s group offset and tiling (a backward's drhs)."""
+    return GmmCall(jnp.dtype(out_dtype), call.group_offset, call.tiling, num_groups=int(num_groups))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gmm(
+    be: GmmBackend, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, call: GmmCall
 ) -> jax.Array:
-    return be.gmm(
-        lhs,
-        rhs,
-        group_sizes,
-        preferred_element_type=pet,
-        transpose_rhs=transpose_rhs,
-        group_offset=group_offset,
-        tiling=tiling,
-    )
+    return be.gmm(lhs, rhs, group_sizes, call)
 
 
 def _gmm_fwd(
-    be: GmmBackend,
-    pet: jnp.dtype,
-    transpose_rhs: bool,
-    tiling: TilingArg,
-    lhs: jax.Array,
-    rhs: jax.Array,
-    group_sizes: jax.Array,
-    group_offset: jax.Array,
+    be: GmmBackend, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, call: GmmCall
 ) -> tuple[jax.Array, _Res]:
-    out: jax.Array = _gmm(be, pet, transpose_rhs, tiling, lhs, rhs, group_sizes, group_offset)
-    return out, (lhs, rhs, group_sizes, group_offset)
+    return be.gmm(lhs, rhs, group_sizes, call), (lhs, rhs, group_sizes, call)
 
 
-def _gmm_bwd(
-    be: GmmBackend,
-    pet: jnp.dtype,
-    transpose_rhs: bool,
-    tiling: TilingArg,
-    res: _Res,
-    dout: jax.Array,
-) -> _Grads:
-    lhs, rhs, group_sizes, group_offset = res
-    dlhs = be.gmm(
-        dout,
-        rhs,
-        group_sizes,
-        preferred_element_type=lhs.dtype,
-        transpose_rhs=not transpose_rhs,
-        group_offset=group_offset,
-        tiling=tiling,
-    )
-    a, b = (dout, lhs) if transpose_rhs else (lhs, dout)
-    drhs = be.tgmm(
-        a,
-        b,
-        group_sizes,
-        num_groups=rhs.shape[0],
-        preferred_element_type=rhs.dtype,
-        group_offset=group_offset,
-        tiling=tiling,
-    )
-    return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype), None, None
+def _gmm_bwd(be: GmmBackend, res: _Res, dout: jax.Array) -> _Grads:
+    lhs, rhs, group_sizes, call = res
+    dlhs, drhs = gmm_backward(be, lhs, rhs, group_sizes, call, dout)
+    return dlhs, drhs, None, None
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _tgmm(
-    be: GmmBackend,
-    pet: jnp.dtype,
-    num_groups: int,
-    tiling: TilingArg,
-    lhs: jax.Array,
-    rhs: jax.Array,
-    group_sizes: jax.Array,
-    group_offset: jax.Array,
+    be: GmmBackend, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, call: GmmCall
 ) -> jax.Array:
-    return be.tgmm(
-        lhs,
-        rhs,
-        group_sizes,
-        num_groups=num_groups,
-        preferred_element_type=pet,
-        group_offset=group_offset,
-        tiling=tiling,
-    )
+    return be.tgmm(lhs, rhs, group_sizes, call)
 
 
 def _tgmm_fwd(
-    be: GmmBackend,
-    pet: jnp.dtype,
-    num_groups: int,
-    tiling: TilingArg,
-    lhs: jax.Array,
-    rhs: jax.Array,
-    group_sizes: jax.Array,
-    group_offset: jax.Array,
+    be: GmmBackend, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, call: GmmCall
 ) -> tuple[jax.Array, _Res]:
-    out: jax.Array = _tgmm(be, pet, num_groups, tiling, lhs, rhs, group_sizes, group_offset)
-    return out, (lhs, rhs, group_sizes, group_offset)
+    return be.tgmm(lhs, rhs, group_sizes, call), (lhs, rhs, group_sizes, call)
 
 
-def _tgmm_bwd(
-    be: GmmBackend,
-    pet: jnp.dtype,
-    num_groups: int,
-    tiling: TilingArg,
-    res: _Res,
-    dout: jax.Array,
-) -> _Grads:
-    # out[g] = lhs_g.T @ rhs_g  =>  dlhs_g = rhs_g @ dout[g].T,  drhs_g = lhs_g @ dout[g]
-    lhs, rhs, group_sizes, group_offset = res
-    dlhs = be.gmm(
-        rhs,
-        dout,
-        group_sizes,
-        preferred_element_type=lhs.dtype,
-        transpose_rhs=True,
-        group_offset=group_offset,
-        tiling=tiling,
-    )
-    drhs = be.gmm(
-        lhs,
-        dout,
-        group_sizes,
-        preferred_element_type=rhs.dtype,
-        transpose_rhs=False,
-        group_offset=group_offset,
-        tiling=tiling,
-    )
-    return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype), None, None
+def _tgmm_bwd(be: GmmBackend, res: _Res, dout: jax.Array) -> _Grads:
+    lhs, rhs, group_sizes, call = res
+    dlhs, drhs = tgmm_backward(be, lhs, rhs, group_sizes, call, dout)
+    return dlhs, drhs, None, None
 
 
 _tgmm.defvjp(_tgmm_fwd, _tgmm_bwd)
@@ -358,9 +275,6 @@ _tgmm.defvjp(_tgmm_fwd, _tgmm_bwd)
 @dataclasses.dataclass(frozen=True)
 class _GatheredStatic:
     be: GmmBackend
-    pet: jnp.dtype
-    transpose_rhs: bool
-    tiling: TilingArg
     gather: Gather
     reduce_dtype: jnp.dtype | None  # None: the slice's dtype
     w_dtype: jnp.dtype  # the slice's dtype (f32 master weights)
@@ -369,41 +283,25 @@ class _GatheredStatic:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _gathered_gmm(
-    s: _GatheredStatic,
-    lhs: jax.Array,
-    w: jax.Array,
-    group_sizes: jax.Array,
-    group_offset: jax.Array,
+    s: _GatheredStatic, lhs: jax.Array, w: jax.Array, group_sizes: jax.Array, call: GmmCall
 ) -> jax.Array:
-    return _gathered_gmm_fwd(s, lhs, w, group_sizes, group_offset)[0]
+    return _gathered_gmm_fwd(s, lhs, w, group_sizes, call)[0]
 
 
 def _gathered_gmm_fwd(
-    s: _GatheredStatic,
-    lhs: jax.Array,
-    w: jax.Array,
-    group_sizes: jax.Array,
-    group_offset: jax.Array,
+    s: _GatheredStatic, lhs: jax.Array, w: jax.Array, group_sizes: jax.Array, call: GmmCall
 ) -> tuple[jax.Array, _Res]:
     # The slice travels in the compute dtype (bf16 on the wire, not the f32 master weights).
     full = all_gather_dims(narrow(w, lhs.dtype), s.gather)
-    out = s.be.gmm(
-        lhs,
-        full,
-        group_sizes,
-        preferred_element_type=s.pet,
-        transpose_rhs=s.transpose_rhs,
-        group_offset=group_offset,
-        tiling=s.tiling,
-    )
+    out = s.be.gmm(lhs, full, group_sizes, call)
     # Keeping `full` holds one gathered weight per gmm from the forward (under remat: the
     # recomputed forward) to its backward, and XLA starts the next layer's gathers early, so
     # several are live at once; `regather` keeps only this shard's slice instead.
-    return out, (lhs, w if s.regather else full, group_sizes, group_offset)
+    return out, (lhs, w if s.regather else full, group_sizes, call)
 
 
 def _gathered_gmm_bwd(s: _GatheredStatic, res: _Res, dout: jax.Array) -> _Grads:
-    lhs, kept, group_sizes, group_offset = res
+    lhs, kept, group_sizes, call = res
     if s.regather:
         # The barrier ties the gather to the backward (it needs dout) and keeps XLA from
         # merging it with the forward's identical gather, which would keep that copy alive.
@@ -411,28 +309,13 @@ def _gathered_gmm_bwd(s: _GatheredStatic, res: _Res, dout: jax.Array) -> _Grads:
         full = all_gather_dims(narrow(w, lhs.dtype), s.gather)
     else:
         full = kept
-    dlhs = s.be.gmm(
-        dout,
-        full,
-        group_sizes,
-        preferred_element_type=lhs.dtype,
-        transpose_rhs=not s.transpose_rhs,
-        group_offset=group_offset,
-        tiling=s.tiling,
-    )
-    a, b = (dout, lhs) if s.transpose_rhs else (lhs, dout)
+    dlhs = s.be.gmm(dout, full, group_sizes, dlhs_call(call, lhs.dtype))
+    a, b = (dout, lhs) if call.transpose_rhs else (lhs, dout)
+    # As _gmm_bwd: the gradient of the gathered weight in its (compute) dtype.
+    drhs_call = tgmm_call(call, full.shape[0], full.dtype)
 
     def drhs(a_cols: jax.Array, b_cols: jax.Array) -> jax.Array:
-        # As _gmm_bwd: the gradient of the gathered weight in its (compute) dtype.
-        return s.be.tgmm(
-            a_cols,
-            b_cols,
-            group_sizes,
-            num_groups=full.shape[0],
-            preferred_element_type=full.dtype,
-            group_offset=group_offset,
-            tiling=s.tiling,
-        )
+        return s.be.tgmm(a_cols, b_cols, group_sizes, drhs_call)
 
     g, k, n = full.shape
     dw = reduce_scatter_tiled(drhs, a, b, (g, k, n), s.gather, s.reduce_dtype, s.w_dtype)
