@@ -27,7 +27,7 @@ from moetext.kernels.gmm.backend import (
     get_backend,
     register,
 )
-from moetext.kernels.gmm.gather import Gather, all_gather_dims, psum_scatter_dims
+from moetext.kernels.gmm.gather import Gather, WeightGather, all_gather_dims, psum_scatter_dims
 from moetext.kernels.gmm.recipe import NoQuantization, Recipe
 from moetext.kernels.gmm.reference import gmm_reference, tgmm_reference
 
@@ -46,6 +46,7 @@ __all__ = [
     "NoQuantization",
     "Recipe",
     "Tiling",
+    "WeightGather",
     "all_gather_dims",
     "auto_backend_name",
     "available_backends",

@@ -27,7 +27,13 @@ import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
 from moetext.kernels.gmm.backend import GmmBackend, GmmCall, Tiling, TilingArg, get_backend
-from moetext.kernels.gmm.gather import Gather, check_gather, gathered_shape, minor_swapped
+from moetext.kernels.gmm.gather import (
+    Gather,
+    WeightGather,
+    check_gather,
+    gathered_shape,
+    minor_swapped,
+)
 from moetext.kernels.gmm.recipe import NoQuantization, Recipe
 
 
@@ -136,16 +142,8 @@ class Gmm:
             reduce_dtype = (
                 None if self.grad_reduce_dtype is None else jnp.dtype(self.grad_reduce_dtype)
             )
-            out = self.recipe.gathered_gmm(
-                self.backend,
-                lhs,
-                rhs,
-                sizes,
-                call,
-                gather=gather,
-                grad_reduce_dtype=reduce_dtype,
-                regather=self.regather_weights,
-            )
+            weights = WeightGather(gather, reduce_dtype, self.regather_weights)
+            out = self.recipe.gathered_gmm(self.backend, lhs, rhs, sizes, call, weights)
         else:
             out = self.recipe.gmm(self.backend, lhs, rhs, sizes, call)
         if existing_out is None:

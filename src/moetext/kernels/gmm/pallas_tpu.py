@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 import jax
+from jax import Array
 
 from moetext.kernels.gmm.backend import GmmBackend, GmmCall, register
 from moetext.kernels.pallas import gmm_kernels
@@ -43,35 +44,31 @@ class PallasTpuBackend(GmmBackend):
 
     def gmm(
         self,
-        lhs: jax.Array,
-        rhs: jax.Array,
-        group_sizes: jax.Array,
+        lhs: Array,
+        rhs: Array,
+        group_sizes: Array,
         call: GmmCall,
-        existing_out: jax.Array | None = None,
-    ) -> jax.Array:
+        existing_out: Array | None = None,
+    ) -> Array:
         """Beyond the protocol: rows outside the local groups keep `existing_out` [M, N] (an
         aliased, in-place initial buffer) instead of zeros."""
         return gmm_kernels.gmm(
             lhs,
             rhs,
             group_sizes,
-            preferred_element_type=call.out_dtype,
             transpose_rhs=call.transpose_rhs,
-            group_offset=call.group_offset,
-            tiling=call.tiling,
             existing_out=existing_out,
-            interpret=self.interpret,
-            chip=self.chip,
+            **self.kernel_options(call),
         )
 
-    def tgmm(
-        self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, call: GmmCall
-    ) -> jax.Array:
-        return gmm_kernels.tgmm(
-            lhs,
-            rhs,
-            group_sizes,
-            num_groups=call.local_groups,
+    def tgmm(self, lhs: Array, rhs: Array, group_sizes: Array, call: GmmCall) -> Array:
+        opts = self.kernel_options(call)
+        return gmm_kernels.tgmm(lhs, rhs, group_sizes, num_groups=call.local_groups, **opts)
+
+    def kernel_options(self, call: GmmCall) -> dict[str, Any]:
+        """The keywords every kernels/pallas grouped matmul takes, for `call` on this backend
+        (the FP8 kernels of quant/scaled_kernels.py pass them too)."""
+        return dict(
             preferred_element_type=call.out_dtype,
             group_offset=call.group_offset,
             tiling=call.tiling,

@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+from jax import Array
 
 from moetext.kernels.gmm.backend import GmmBackend, GmmCall, register
 from moetext.kernels.typed_jax import RaggedDotDimensionNumbers
@@ -40,9 +41,7 @@ class RaggedDotBackend(GmmBackend):
 
     name: ClassVar[str] = "ragged_dot"
 
-    def gmm(
-        self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, call: GmmCall
-    ) -> jax.Array:
+    def gmm(self, lhs: Array, rhs: Array, group_sizes: Array, call: GmmCall) -> Array:
         return self._masked_gmm(jax.lax.ragged_dot, lhs, rhs, group_sizes, call)
 
     @staticmethod
@@ -61,9 +60,7 @@ class RaggedDotBackend(GmmBackend):
         out = ragged_dot(lhs, rhs, sizes, preferred_element_type=call.out_dtype)
         return jnp.where(mask[:, None], out, jnp.zeros((), out.dtype))
 
-    def tgmm(
-        self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, call: GmmCall
-    ) -> jax.Array:
+    def tgmm(self, lhs: Array, rhs: Array, group_sizes: Array, call: GmmCall) -> Array:
         m, num_groups = lhs.shape[0], call.local_groups
         sizes, mask = local_window(group_sizes, call.group_offset, num_groups, m)
         lhs = jnp.where(mask[:, None], lhs, jnp.zeros((), lhs.dtype))

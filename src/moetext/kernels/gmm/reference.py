@@ -17,6 +17,7 @@ from typing import ClassVar, SupportsInt
 import jax
 import numpy as np
 import numpy.typing as npt
+from jax import Array
 
 from moetext.kernels.gmm.backend import GmmBackend, GmmCall, register
 from moetext.kernels.typed_jax import ShapeDtypeStruct
@@ -84,16 +85,12 @@ class ReferenceBackend(GmmBackend):
 
     name: ClassVar[str] = "reference"
 
-    def gmm(
-        self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, call: GmmCall
-    ) -> jax.Array:
+    def gmm(self, lhs: Array, rhs: Array, group_sizes: Array, call: GmmCall) -> Array:
         n = rhs.shape[1] if call.transpose_rhs else rhs.shape[2]
         oracle = functools.partial(gmm_reference, transpose_rhs=call.transpose_rhs)
         return _on_host(oracle, (lhs.shape[0], n), call, lhs, rhs, group_sizes)
 
-    def tgmm(
-        self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, call: GmmCall
-    ) -> jax.Array:
+    def tgmm(self, lhs: Array, rhs: Array, group_sizes: Array, call: GmmCall) -> Array:
         g = call.local_groups
         oracle = functools.partial(tgmm_reference, num_groups=g)
         return _on_host(oracle, (g, lhs.shape[1], rhs.shape[1]), call, lhs, rhs, group_sizes)

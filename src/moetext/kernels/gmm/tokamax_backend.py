@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-import jax
 import tokamax  # raises ImportError when absent; the package __init__ then skips this module
+from jax import Array
 
 from moetext.kernels.gmm.backend import GmmCall, register
 from moetext.kernels.gmm.ragged_dot import RaggedDotBackend
@@ -25,9 +25,7 @@ class TokamaxBackend(RaggedDotBackend):
 
     name: ClassVar[str] = "tokamax"
 
-    def gmm(
-        self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, call: GmmCall
-    ) -> jax.Array:
+    def gmm(self, lhs: Array, rhs: Array, group_sizes: Array, call: GmmCall) -> Array:
         return self._masked_gmm(tokamax.ragged_dot, lhs, rhs, group_sizes, call)
 
 

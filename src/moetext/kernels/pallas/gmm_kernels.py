@@ -51,14 +51,16 @@ from moetext.kernels.pallas.common import (
     tgmm_step,
     zero_rows_outside,
 )
-from moetext.kernels.pallas.tiling import Tiling, TilingArg
+from moetext.kernels.pallas.tiling import TilingArg
 from moetext.kernels.typed_jax import ShapeDtypeStruct
+
+# --- gmm ---------------------------------------------------------------------------------------
 
 
 def gmm(
-    lhs: jax.Array,
+    lhs_MK: jax.Array,
     rhs: jax.Array,
-    group_sizes: jax.Array,
+    group_sizes_G: jax.Array,
     *,
     preferred_element_type: DTypeLike,
     transpose_rhs: bool = False,
@@ -72,81 +74,21 @@ def gmm(
     [L, K, N] ([L, N, K] when transpose_rhs). Rows outside the local groups are zero, or keep
     `existing_out` [M, N] (an aliased, in-place initial buffer). interpret and chip as in
     `PallasTpuBackend` (None: interpret off TPU; the local chip, else tiling.FALLBACK_CHIP)."""
-    m, k = lhs.shape
-    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    chip = tiling_lib.resolve_chip(chip)
-    tiles = tiling_lib.resolve_tiling(
-        tiling, m, k, n, lhs.dtype, chip, num_groups=group_sizes.shape[0]
-    )
-    return _gmm_call(
-        lhs,
-        rhs,
-        group_sizes,
-        jnp.asarray(group_offset, jnp.int32),
-        existing_out,
-        tiles=tiles,
-        out_dtype=jnp.dtype(preferred_element_type),
-        transpose_rhs=transpose_rhs,
-        interpret=resolve_interpret(interpret),
-        chip=chip,
-    )
-
-
-def tgmm(
-    lhs: jax.Array,
-    rhs: jax.Array,
-    group_sizes: jax.Array,
-    *,
-    num_groups: int,
-    preferred_element_type: DTypeLike,
-    group_offset: ArrayLike = 0,
-    tiling: TilingArg = None,
-    interpret: Interpret | None = None,
-    chip: str | None = None,
-) -> jax.Array:
-    """[L, K, N]: out[i] = lhs[rows of g].T @ rhs[rows of g], g = group_offset + i; lhs [M, K],
-    rhs [M, N]; zero for empty groups."""
-    m, k = lhs.shape
-    n = rhs.shape[1]
-    chip = tiling_lib.resolve_chip(chip)
-    tiles = tiling_lib.resolve_tiling(
-        tiling, m, k, n, lhs.dtype, chip, num_groups=group_sizes.shape[0]
-    )
-    return _tgmm_call(
-        lhs,
-        rhs,
-        group_sizes,
-        jnp.asarray(group_offset, jnp.int32),
-        num_groups=int(num_groups),
-        tiles=tiles,
-        out_dtype=jnp.dtype(preferred_element_type),
-        interpret=resolve_interpret(interpret),
-        chip=chip,
-    )
-
-
-# --- gmm ---------------------------------------------------------------------------------------
-
-
-def _gmm_call(
-    lhs_MK: jax.Array,
-    rhs: jax.Array,
-    group_sizes_G: jax.Array,
-    group_offset: jax.Array,
-    existing_MN: jax.Array | None,
-    *,
-    tiles: Tiling,
-    out_dtype: jnp.dtype,
-    transpose_rhs: bool,
-    interpret: Interpret,
-    chip: str,
-) -> jax.Array:
     (m, k), num_local = lhs_MK.shape, rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    chip, interpret = tiling_lib.resolve_chip(chip), resolve_interpret(interpret)
+    g = group_sizes_G.shape[0]
+    tiles = tiling_lib.resolve_tiling(tiling, m, k, n, lhs_MK.dtype, chip, num_groups=g)
+    out_dtype, existing_MN = jnp.dtype(preferred_element_type), existing_out
     tm, tk, tn = tiles
     tiling_lib.check_gmm_blocks("gmm", tiles, lhs_MK, rhs, out_dtype, transpose_rhs=transpose_rhs)
     meta = make_group_metadata(
-        group_sizes_G, group_offset, num_local=num_local, m=m, tm=tm, visit_empty=False
+        group_sizes_G,
+        jnp.asarray(group_offset, jnp.int32),
+        num_local=num_local,
+        m=m,
+        tm=tm,
+        visit_empty=False,
     )
     t_max = max_visits(m, tm, num_local)
     lhs_spec, rhs_spec, out_spec = gmm_block_specs(tm, tk, tn, transpose_rhs=transpose_rhs)
@@ -223,23 +165,34 @@ def _mask_cols(x: jax.Array, axis: int, start: jax.Array, limit: int) -> jax.Arr
 # --- tgmm --------------------------------------------------------------------------------------
 
 
-def _tgmm_call(
+def tgmm(
     lhs_MK: jax.Array,
     rhs_MN: jax.Array,
     group_sizes_G: jax.Array,
-    group_offset: jax.Array,
     *,
     num_groups: int,
-    tiles: Tiling,
-    out_dtype: jnp.dtype,
-    interpret: Interpret,
-    chip: str,
+    preferred_element_type: DTypeLike,
+    group_offset: ArrayLike = 0,
+    tiling: TilingArg = None,
+    interpret: Interpret | None = None,
+    chip: str | None = None,
 ) -> jax.Array:
+    """[L, K, N]: out[i] = lhs[rows of g].T @ rhs[rows of g], g = group_offset + i; lhs [M, K],
+    rhs [M, N]; zero for empty groups."""
     (m, k), n = lhs_MK.shape, rhs_MN.shape[1]
+    chip, interpret = tiling_lib.resolve_chip(chip), resolve_interpret(interpret)
+    g = group_sizes_G.shape[0]
+    tiles = tiling_lib.resolve_tiling(tiling, m, k, n, lhs_MK.dtype, chip, num_groups=g)
+    out_dtype, num_groups = jnp.dtype(preferred_element_type), int(num_groups)
     tm, tk, tn = tiles
     tiling_lib.check_tgmm_blocks("tgmm", tiles, lhs_MK, rhs_MN, out_dtype)
     meta = make_group_metadata(
-        group_sizes_G, group_offset, num_local=num_groups, m=m, tm=tm, visit_empty=True
+        group_sizes_G,
+        jnp.asarray(group_offset, jnp.int32),
+        num_local=num_groups,
+        m=m,
+        tm=tm,
+        visit_empty=True,
     )
     t_max = max_visits(m, tm, num_groups)
     lhs_spec, rhs_spec, out_spec = tgmm_block_specs(tm, tk, tn)

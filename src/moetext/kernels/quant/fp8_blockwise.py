@@ -19,17 +19,17 @@ says so. Under `qag` a sharded weight slice crosses the wire as FP8 (kernels/qua
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import Array
 from jax.typing import DTypeLike
 
 from moetext.kernels.gmm.backend import GmmBackend, GmmCall
-from moetext.kernels.gmm.gather import Gather, narrow, reduce_scatter_tiled
-from moetext.kernels.gmm.recipe import Recipe, dlhs_call, tgmm_backward, tgmm_call
+from moetext.kernels.gmm.gather import WeightGather, narrow, reduce_scatter_tiled
+from moetext.kernels.gmm.recipe import Recipe, dlhs_call, static_vjp, tgmm_backward, tgmm_call
 from moetext.kernels.quant.fp8_quantize import DualQuantized, Quantized
 from moetext.kernels.quant.qag import quantized_all_gather
 from moetext.kernels.quant.scaled_kernels import (
@@ -136,56 +136,30 @@ class Fp8Blockwise(Recipe):
     # --- Recipe ----------------------------------------------------------------------------------
 
     def gmm(
-        self,
-        backend: GmmBackend,
-        lhs: jax.Array,
-        rhs: jax.Array,
-        group_sizes: jax.Array,
-        call: GmmCall,
-    ) -> jax.Array:
-        return _qgmm(self._static(backend, lhs, rhs), lhs, rhs, group_sizes, call)
+        self, backend: GmmBackend, lhs: Array, rhs: Array, sizes: Array, call: GmmCall
+    ) -> Array:
+        return _qgmm(self._static(backend, lhs, rhs), lhs, rhs, sizes, call)
 
     def tgmm(
-        self,
-        backend: GmmBackend,
-        lhs: jax.Array,
-        rhs: jax.Array,
-        group_sizes: jax.Array,
-        call: GmmCall,
-    ) -> jax.Array:
-        return _qtgmm(self._static(backend, lhs, rhs), lhs, rhs, group_sizes, call)
+        self, backend: GmmBackend, lhs: Array, rhs: Array, sizes: Array, call: GmmCall
+    ) -> Array:
+        return _qtgmm(self._static(backend, lhs, rhs), lhs, rhs, sizes, call)
 
     def gathered_gmm(
         self,
         backend: GmmBackend,
-        lhs: jax.Array,
-        rhs: jax.Array,
-        group_sizes: jax.Array,
+        lhs: Array,
+        rhs: Array,
+        group_sizes: Array,
         call: GmmCall,
-        *,
-        gather: Gather,
-        grad_reduce_dtype: DTypeLike | None,
-        regather: bool = False,
-    ) -> jax.Array:
+        gather: WeightGather,
+    ) -> Array:
         """QAG when the recipe asks (FP8 on the wire), else the compute-dtype all-gather.
-        regather (gathering again in the backward) is not implemented: a ValueError."""
-        if regather or not self.qag:
-            # The default refuses regather with a ValueError naming this recipe.
-            return super().gathered_gmm(
-                backend,
-                lhs,
-                rhs,
-                group_sizes,
-                call,
-                gather=gather,
-                grad_reduce_dtype=grad_reduce_dtype,
-                regather=regather,
-            )
-        static = _QagStatic(
-            self._static(backend, lhs, rhs),
-            gather,
-            None if grad_reduce_dtype is None else jnp.dtype(grad_reduce_dtype),
-        )
+        gather.regather (gathering again in the backward) is not implemented: the default
+        raises a ValueError naming this recipe."""
+        if gather.regather or not self.qag:
+            return super().gathered_gmm(backend, lhs, rhs, group_sizes, call, gather)
+        static = _QagStatic(self._static(backend, lhs, rhs), gather)
         return _qag_gmm(static, lhs, rhs, group_sizes, call)
 
     def store_residual(self, backend: GmmBackend, x: jax.Array) -> Quantized:
@@ -231,8 +205,7 @@ class _Static(NamedTuple):
 
 class _QagStatic(NamedTuple):
     gmm: _Static
-    gather: Gather
-    reduce_dtype: jnp.dtype | None
+    gather: WeightGather
 
 
 _Res = tuple[Quantized, Any, jax.Array, GmmCall]  # lhs, rhs (array or Quantized), sizes, call
@@ -250,13 +223,6 @@ def _forward(
     # drhs = tgmm(lhs, dout) reduces over M, so a quantized backward wants lhs blocked along M;
     # a high-precision one only dequantizes it and reuses the forward's quantization.
     return out, (s.ops.quantize(lhs, 0) if s.ops.bwd_quantize else lrow)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _qgmm(
-    s: _Static, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, call: GmmCall
-) -> jax.Array:
-    return _qgmm_fwd(s, lhs, rhs, group_sizes, call)[0]
 
 
 def _qgmm_fwd(
@@ -322,17 +288,10 @@ def _bwd_parts(
     return dlhs.astype(pet_l), drhs_of, a, b
 
 
-_qgmm.defvjp(_qgmm_fwd, _qgmm_bwd)
+_qgmm = static_vjp(_qgmm_fwd, _qgmm_bwd)
 
 
 # --- QAG: out = lhs @ all_gather(rhs slice)[g], the slice all-gathered as FP8 ------------------
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _qag_gmm(
-    s: _QagStatic, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, call: GmmCall
-) -> jax.Array:
-    return _qag_gmm_fwd(s, lhs, rhs, group_sizes, call)[0]
 
 
 def _qag_gmm_fwd(
@@ -343,7 +302,7 @@ def _qag_gmm_fwd(
     # The slice in the compute dtype, as the plain path gathers it: same FP8 numbers.
     rq = quantized_all_gather(
         narrow(rhs, g.lhs_dtype),  # cast per layer, not hoisted out of the scan (gather.py)
-        s.gather,
+        s.gather.dims,
         axis=None if r.tiled_weights else contract,
         block_size=r.block_size,
         dtype=r.fwd_dtype,
@@ -369,21 +328,17 @@ def _qag_gmm_bwd(s: _QagStatic, res: _Res, dout: jax.Array) -> tuple[Any, ...]:
     assert all(x.axis == 0 for x in (a, b) if isinstance(x, Quantized))
     kept = res[1]  # the gathered weight as kept (FP8): drhs has its shape
     g, k, n = kept.value.shape if isinstance(kept, Quantized) else kept.shape
-    dw = reduce_scatter_tiled(drhs_of, a, b, (g, k, n), s.gather, s.reduce_dtype, s.gmm.rhs_dtype)
+    gather = s.gather
+    dw = reduce_scatter_tiled(
+        drhs_of, a, b, (g, k, n), gather.dims, gather.reduce_dtype, s.gmm.rhs_dtype
+    )
     return dlhs, dw, None, None
 
 
-_qag_gmm.defvjp(_qag_gmm_fwd, _qag_gmm_bwd)
+_qag_gmm = static_vjp(_qag_gmm_fwd, _qag_gmm_bwd)
 
 
 # --- tgmm: out[g] = lhs[rows of g].T @ rhs[rows of g] ------------------------------------------
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _qtgmm(
-    s: _Static, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, call: GmmCall
-) -> jax.Array:
-    return _qtgmm_fwd(s, lhs, rhs, group_sizes, call)[0]
 
 
 _TRes = tuple[Quantized, Quantized, jax.Array, GmmCall]
@@ -406,4 +361,4 @@ def _qtgmm_bwd(s: _Static, res: _TRes, dout: jax.Array) -> tuple[Any, ...]:
     return (*grads, None, None)
 
 
-_qtgmm.defvjp(_qtgmm_fwd, _qtgmm_bwd)
+_qtgmm = static_vjp(_qtgmm_fwd, _qtgmm_bwd)

@@ -29,15 +29,15 @@ and activations kept outside a gmm (the SwiGLU inputs) are stored the same way.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, ClassVar, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
+from jax import Array
 from jax.typing import DTypeLike
 
 from moetext.kernels.gmm.backend import GmmBackend, GmmCall
-from moetext.kernels.gmm.recipe import Recipe, dlhs_call, tgmm_backward, tgmm_call
+from moetext.kernels.gmm.recipe import Recipe, dlhs_call, static_vjp, tgmm_backward, tgmm_call
 from moetext.kernels.quant.fp8_quantize import quantize_tensorwise
 
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
@@ -68,24 +68,14 @@ class Fp8Tensorwise(Recipe):
             object.__setattr__(self, field, name)
 
     def gmm(
-        self,
-        backend: GmmBackend,
-        lhs: jax.Array,
-        rhs: jax.Array,
-        group_sizes: jax.Array,
-        call: GmmCall,
-    ) -> jax.Array:
-        return _gmm(self._static(backend, lhs, rhs), lhs, rhs, group_sizes, call)
+        self, backend: GmmBackend, lhs: Array, rhs: Array, sizes: Array, call: GmmCall
+    ) -> Array:
+        return _gmm(self._static(backend, lhs, rhs), lhs, rhs, sizes, call)
 
     def tgmm(
-        self,
-        backend: GmmBackend,
-        lhs: jax.Array,
-        rhs: jax.Array,
-        group_sizes: jax.Array,
-        call: GmmCall,
-    ) -> jax.Array:
-        return _tgmm(self._static(backend, lhs, rhs), lhs, rhs, group_sizes, call)
+        self, backend: GmmBackend, lhs: Array, rhs: Array, sizes: Array, call: GmmCall
+    ) -> Array:
+        return _tgmm(self._static(backend, lhs, rhs), lhs, rhs, sizes, call)
 
     def _static(self, backend: GmmBackend, lhs: jax.Array, rhs: jax.Array) -> _Static:
         return _Static(self, backend, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype))
@@ -127,13 +117,6 @@ _Res = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, GmmCall]
 _F32 = jnp.dtype(jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _gmm(
-    s: _Static, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, call: GmmCall
-) -> jax.Array:
-    return _gmm_fwd(s, lhs, rhs, group_sizes, call)[0]
-
-
 def _gmm_fwd(
     s: _Static, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, call: GmmCall
 ) -> tuple[jax.Array, _Res]:
@@ -155,20 +138,13 @@ def _gmm_bwd(s: _Static, res: _Res, dout: jax.Array) -> tuple[Any, ...]:
     return dlhs.astype(s.lhs_dtype), drhs.astype(s.rhs_dtype), None, None
 
 
-_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+_gmm = static_vjp(_gmm_fwd, _gmm_bwd)
 
 
 # --- tgmm (the weight-gradient shape as a forward op) ------------------------------------------
 
 # lhs_q, s_lhs, rhs_q, s_rhs, group_sizes, call
 _TRes = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, GmmCall]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _tgmm(
-    s: _Static, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, call: GmmCall
-) -> jax.Array:
-    return _tgmm_fwd(s, lhs, rhs, group_sizes, call)[0]
 
 
 def _tgmm_fwd(
@@ -190,4 +166,4 @@ def _tgmm_bwd(s: _Static, res: _TRes, dout: jax.Array) -> tuple[Any, ...]:
     return (*grads, None, None)
 
 
-_tgmm.defvjp(_tgmm_fwd, _tgmm_bwd)
+_tgmm = static_vjp(_tgmm_fwd, _tgmm_bwd)

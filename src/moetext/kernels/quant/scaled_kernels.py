@@ -5,10 +5,11 @@ Legend: M rows (sorted by group), K contraction, N outputs, L local groups, bs b
 
   * `DequantizedKernels(backend)`: any backend; its own gmm / tgmm on the dequantized operands.
     What fp8_blockwise uses on a backend without fused kernels.
-  * `PallasFp8Kernels`: the FP8 Pallas kernels (kernels/pallas: gmm_fp8, tgmm_fp8) and the
-    Pallas quantize kernel, for the pallas_tpu backend. It only adapts layouts: gmm_fp8 wants
-    whole blocks along K (padded with FP8 zeros) and one scale per (K block, output column) for
-    the weights, so bs x bs weight tiles get their scale repeated over the non-contraction axis.
+  * `PallasFp8Kernels(backend)`: the FP8 Pallas kernels (kernels/pallas: gmm_fp8, tgmm_fp8)
+    and the Pallas quantize kernel, for the pallas_tpu backend. It only adapts layouts:
+    gmm_fp8 wants whole blocks along K (padded with FP8 zeros) and one scale per (K block,
+    output column) for the weights, so bs x bs weight tiles get their scale repeated over the
+    non-contraction axis.
 
 `scaled_kernels_for(backend)` picks the fused kernels registered for the backend's class
 (`register_scaled_kernels`), or None. The pairing lives here, in the quantization room, so no
@@ -23,6 +24,7 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+from jax import Array
 from jax.typing import DTypeLike
 
 from moetext.kernels.gmm.backend import GmmBackend, GmmCall
@@ -103,16 +105,12 @@ class DequantizedKernels:
     ) -> Quantized:
         return Quantized.of(x, axis=axis, block_size=block_size, dtype=dtype, impl="xla")
 
-    def gmm(
-        self, lhs: Quantized, rhs: Quantized, group_sizes: jax.Array, call: GmmCall
-    ) -> jax.Array:
+    def gmm(self, lhs: Quantized, rhs: Quantized, group_sizes: Array, call: GmmCall) -> Array:
         return self.backend.gmm(
             lhs.dequantize(self.dtype), rhs.dequantize(self.dtype), group_sizes, call
         )
 
-    def tgmm(
-        self, lhs: Quantized, rhs: Quantized, group_sizes: jax.Array, call: GmmCall
-    ) -> jax.Array:
+    def tgmm(self, lhs: Quantized, rhs: Quantized, group_sizes: Array, call: GmmCall) -> Array:
         return self.backend.tgmm(
             lhs.dequantize(self.dtype), rhs.dequantize(self.dtype), group_sizes, call
         )
@@ -120,11 +118,10 @@ class DequantizedKernels:
 
 @dataclasses.dataclass(frozen=True)
 class PallasFp8Kernels:
-    """gmm_fp8 / tgmm_fp8 and the Pallas quantize kernel; `interpret` and `chip` as in
-    PallasTpuBackend (interpret mode off TPU, the chip's tiles and VMEM limit)."""
+    """gmm_fp8 / tgmm_fp8 and the Pallas quantize kernel, compiled as `backend` compiles its
+    own kernels (interpret mode off TPU, the chip's tiles and VMEM limit)."""
 
-    interpret: Any = None
-    chip: str | None = None
+    backend: PallasTpuBackend
 
     def quantize(
         self, x: jax.Array, *, axis: int | None, block_size: int, dtype: DTypeLike
@@ -137,12 +134,10 @@ class PallasFp8Kernels:
             block_size=block_size,
             dtype=dtype,
             impl="pallas",
-            interpret=self.interpret,
+            interpret=self.backend.interpret,
         )
 
-    def gmm(
-        self, lhs: Quantized, rhs: Quantized, group_sizes: jax.Array, call: GmmCall
-    ) -> jax.Array:
+    def gmm(self, lhs: Quantized, rhs: Quantized, group_sizes: Array, call: GmmCall) -> Array:
         contract = 2 if call.transpose_rhs else 1
         bs = lhs.block_size
         k_pad = lhs.scale.shape[1] * bs  # gmm_fp8 wants whole blocks: pad K with FP8 zeros
@@ -152,39 +147,21 @@ class PallasFp8Kernels:
             _pad_axis(rhs.value, contract, k_pad),
             _per_column_scale(rhs, contract),
             group_sizes,
-            group_offset=call.group_offset,
             transpose_rhs=call.transpose_rhs,
             block_size=bs,
-            tiling=call.tiling,
-            preferred_element_type=call.out_dtype,
-            interpret=self.interpret,
-            chip=self.chip,
+            **self.backend.kernel_options(call),
         )
 
-    def tgmm(
-        self, lhs: Quantized, rhs: Quantized, group_sizes: jax.Array, call: GmmCall
-    ) -> jax.Array:
+    def tgmm(self, lhs: Quantized, rhs: Quantized, group_sizes: Array, call: GmmCall) -> Array:
         return tgmm_fp8(
-            lhs.value,
-            lhs.scale,
-            rhs.value,
-            rhs.scale,
-            group_sizes,
+            *(lhs.value, lhs.scale, rhs.value, rhs.scale, group_sizes),
             num_groups=call.local_groups,
-            group_offset=call.group_offset,
             block_size=lhs.block_size,
-            tiling=call.tiling,
-            preferred_element_type=call.out_dtype,
-            interpret=self.interpret,
-            chip=self.chip,
+            **self.backend.kernel_options(call),
         )
 
 
-def _pallas_fp8_kernels(backend: PallasTpuBackend) -> ScaledKernels:
-    return PallasFp8Kernels(interpret=backend.interpret, chip=backend.chip)
-
-
-register_scaled_kernels(PallasTpuBackend, _pallas_fp8_kernels)
+register_scaled_kernels(PallasTpuBackend, PallasFp8Kernels)
 
 
 def _pad_axis(x: jax.Array, axis: int, size: int) -> jax.Array:
