@@ -25,7 +25,7 @@ from jax.sharding import SingleDeviceSharding
 
 import moetext  # noqa: F401  (quiets libtpu's TPU probing where there is no TPU)
 from moetext.aot import TOPOLOGY_BY_CHIP, tpu_devices
-from moetext.kernels.gmm import get_backend
+from moetext.kernels.gmm import GmmCall, get_backend
 from moetext.kernels.gmm.pallas_tpu import PallasTpuBackend
 
 DEFAULTS: dict[str, Any] = dict(
@@ -49,19 +49,19 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def _calls(backend, m: int, d: int, f: int, e: int):
     """gate projection x[M, D] @ w[E, D, F], its dlhs (gmm, rhs transposed) and drhs (tgmm)."""
-    bf16, zero = jnp.bfloat16, jnp.int32(0)
-    kw = dict(preferred_element_type=bf16, group_offset=zero, tiling=None)
+    fwd = GmmCall(jnp.dtype(jnp.bfloat16), jnp.int32(0))
+    dlhs, drhs = fwd.replace(transpose_rhs=True), fwd.replace(num_groups=e)
     return {
         "gmm fwd": (
-            lambda x, w, gs: backend.gmm(x, w, gs, transpose_rhs=False, **kw),
+            lambda x, w, gs: backend.gmm(x, w, gs, fwd),
             ((m, d), (e, d, f), (e,)),
         ),
         "gmm dlhs": (
-            lambda dy, w, gs: backend.gmm(dy, w, gs, transpose_rhs=True, **kw),
+            lambda dy, w, gs: backend.gmm(dy, w, gs, dlhs),
             ((m, f), (e, d, f), (e,)),
         ),
         "tgmm drhs": (
-            lambda x, dy, gs: backend.tgmm(x, dy, gs, num_groups=e, **kw),
+            lambda x, dy, gs: backend.tgmm(x, dy, gs, drhs),
             ((m, d), (m, f), (e,)),
         ),
     }

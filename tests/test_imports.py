@@ -119,3 +119,88 @@ def test_imports_follow_the_map():
 def test_the_cycle_finder_finds_cycles():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+# --- between the subpackages of moetext.kernels -------------------------------------------------
+
+KERNELS_DIR = SRC / "kernels"
+
+# kernels/<subpackage or module> -> what it may import of kernels ("__init__": kernels/__init__).
+# pallas (kernel bodies, tilings) knows nothing of gmm (backends, the Gmm op, the Recipe protocol)
+# or quant (recipes, FP8 numerics); gmm runs pallas kernels; quant wraps gmm backends and pairs
+# them with the FP8 Pallas kernels. typed_jax and fp8_scaling are leaves every room may use.
+KERNELS: dict[str, set[str]] = {
+    "typed_jax": set(),
+    "fp8_scaling": {"typed_jax"},
+    "pallas": {"typed_jax", "fp8_scaling"},
+    "gmm": {"typed_jax", "pallas"},
+    "quant": {"typed_jax", "fp8_scaling", "pallas", "gmm"},
+    "activations": {"gmm"},
+    "build": {"gmm", "quant"},
+    "__init__": {"build", "gmm", "quant"},
+}
+
+
+def _kernels_part(module: str) -> str | None:
+    """'moetext.kernels.gmm.api' -> 'gmm'; 'moetext.kernels' -> '__init__'; None outside."""
+    parts = module.split(".")
+    if parts[:2] != ["moetext", "kernels"]:
+        return None
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
+def kernels_import_edges() -> dict[tuple[str, str], str]:
+    """(importer, imported) between parts of moetext.kernels -> one file where it happens."""
+    edges: dict[tuple[str, str], str] = {}
+    for path in sorted(KERNELS_DIR.rglob("*.py")):
+        rel = path.relative_to(SRC.parent).with_suffix("")
+        here = _kernels_part(".".join(rel.parts).removesuffix(".__init__"))
+        assert here is not None
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                if node.module == "moetext.kernels":
+                    targets = [f"moetext.kernels.{a.name}" for a in node.names]
+                else:
+                    targets = [node.module]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            for target in targets:
+                there = _kernels_part(target)
+                if there is not None and there != here:
+                    edges.setdefault((here, there), str(path.relative_to(SRC.parent)))
+    return edges
+
+
+def test_every_kernels_part_is_in_the_map():
+    parts = {p.stem if p.is_file() else p.name for p in KERNELS_DIR.iterdir()}
+    parts = {p for p in parts if not p.startswith(".") and p != "__pycache__"}
+    assert parts <= set(KERNELS), f"add {sorted(parts - set(KERNELS))} to KERNELS"
+
+
+def test_the_kernels_map_has_no_cycle():
+    assert _cycle(KERNELS) is None, _cycle(KERNELS)
+
+
+def test_kernels_imports_follow_the_map():
+    bad = [
+        f"kernels/{a} imports kernels/{b} ({where})"
+        for (a, b), where in sorted(kernels_import_edges().items())
+        if b not in KERNELS.get(a, set())
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_inside_a_kernels_function():
+    # A function-local import hides a dependency (often a cycle) from whoever reads the module
+    # head; kernels/ keeps every import at module level.
+    hidden = [
+        f"{path.relative_to(SRC.parent)}:{node.lineno}"
+        for path in sorted(KERNELS_DIR.rglob("*.py"))
+        for func in ast.walk(ast.parse(path.read_text()))
+        if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for node in ast.walk(func)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+    ]
+    assert not hidden, hidden

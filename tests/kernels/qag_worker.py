@@ -32,13 +32,13 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-from moetext.kernels import fp8
 from moetext.kernels import gmm as gmm_lib
-from moetext.kernels.fp8.qag import quantized_all_gather
 from moetext.kernels.gmm import Gmm
 from moetext.kernels.gmm import gather as gather_lib
 from moetext.kernels.gmm.gather import Gather, gather_weight
 from moetext.kernels.quant import Fp8Blockwise
+from moetext.kernels.quant import fp8_quantize as fp8
+from moetext.kernels.quant.qag import quantized_all_gather
 
 # Shapes of section 2: rows per shard, contraction, outputs, groups.
 M, K, N, G = 48, 256, 96, 4

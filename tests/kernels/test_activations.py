@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 
 from moetext.kernels.activations import swiglu
-from moetext.kernels.fp8 import quantize
 from moetext.kernels.gmm import Gmm, get_backend
-from moetext.kernels.quant import Fp8Blockwise
+from moetext.kernels.quant import Fp8Blockwise, quantize
 
 
 def _data(dtype, seed=0, shape=(64, 256)):

@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moetext.kernels.fp8 import gmm_fp8, quantize, tgmm_fp8
-from moetext.kernels.fp8 import reference as ref
+from moetext.kernels.pallas import gmm_fp8, tgmm_fp8
+from moetext.kernels.quant import fp8_reference as ref
+from moetext.kernels.quant import quantize
 
 # Each FP8 x FP8 product is exact in float32 and each bs-long partial sum is scaled once, so the
 # kernels differ from the float64 oracle only by float32 accumulation: ~K * 2^-24 relative to
@@ -159,7 +160,7 @@ def test_fp8_kernels_compile_for_tpu(topology):
     from jax.sharding import SingleDeviceSharding
 
     from moetext.aot import tpu_devices
-    from moetext.kernels.gmm import tiling as tiling_lib
+    from moetext.kernels.pallas import tiling as tiling_lib
 
     dev = tpu_devices(topology)[0]
     chip = tiling_lib.chip_from_device_kind(dev.device_kind)

@@ -1,4 +1,4 @@
-"""QAG (kernels/fp8/qag.py, gmm's rhs_gather): the quantized all-gather equals quantizing the
+"""QAG (kernels/quant/qag.py, gmm's rhs_gather): the quantized all-gather equals quantizing the
 gathered weights bit for bit, and gmm on a sharded weight slice gives the unsharded answer.
 
 The 8-device checks run in one fresh interpreter (qag_worker.py, 8 fake CPU devices on a 2 x 4

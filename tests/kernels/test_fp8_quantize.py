@@ -1,4 +1,4 @@
-"""FP8 block quantization against the float64 NumPy oracle (moetext.kernels.fp8.reference).
+"""FP8 block quantization against the float64 NumPy oracle (moetext.kernels.quant.fp8_reference).
 
 Legend: R rows, C columns, bs block size. Runtime: a few seconds (no Pallas here).
 """
@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from moetext.kernels.fp8 import (
+from moetext.kernels.quant import (
     DualQuantized,
     Quantized,
     dequantize,
@@ -18,7 +18,7 @@ from moetext.kernels.fp8 import (
     quantize,
     quantize_tiles,
 )
-from moetext.kernels.fp8 import reference as ref
+from moetext.kernels.quant import fp8_reference as ref
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 

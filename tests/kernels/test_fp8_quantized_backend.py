@@ -12,9 +12,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from moetext.kernels.fp8 import reference as ref
-from moetext.kernels.gmm import Gmm, available_backends, get_backend
+from moetext.kernels.gmm import Gmm, GmmCall, available_backends, get_backend
 from moetext.kernels.quant import Fp8Blockwise
+from moetext.kernels.quant import fp8_reference as ref
 
 # Emulated backends multiply float32-dequantized operands (one float32 rounding each) and the
 # FP8 kernels multiply exactly; both accumulate in float32: ~K * 2^-24 of the largest output.
@@ -44,10 +44,7 @@ def _call(op, lhs, rhs, transpose=False, pet=jnp.float32):
         lhs,
         rhs,
         jnp.asarray(SIZES, jnp.int32),
-        preferred_element_type=pet,
-        transpose_rhs=transpose,
-        group_offset=jnp.int32(OFFSET),
-        tiling=None,
+        GmmCall(pet, jnp.int32(OFFSET), None, transpose_rhs=transpose),
     )
 
 
@@ -87,30 +84,12 @@ def test_every_backend_gives_fp8_numbers(name):
     be, recipe = get_backend(name), Fp8Blockwise()
     x, w, d = _data((M, K), 0), _data((L, N, K), 1), _data((M, N), 2)
     gs = jnp.asarray(SIZES, jnp.int32)
-    out = recipe.gmm(
-        be,
-        x,
-        w,
-        gs,
-        preferred_element_type=jnp.float32,
-        transpose_rhs=True,
-        group_offset=jnp.int32(OFFSET),
-        tiling=None,
-    )
+    out = recipe.gmm(be, x, w, gs, GmmCall(jnp.float32, jnp.int32(OFFSET), transpose_rhs=True))
     want = ref.gmm_fp8_reference(
         *_q(x, 1), *_q(w, 2), SIZES, group_offset=OFFSET, transpose_rhs=True
     )
     _close(out, want)
-    out_t = recipe.tgmm(
-        be,
-        x,
-        d,
-        gs,
-        num_groups=L,
-        preferred_element_type=jnp.float32,
-        group_offset=jnp.int32(OFFSET),
-        tiling=None,
-    )
+    out_t = recipe.tgmm(be, x, d, gs, GmmCall(jnp.float32, jnp.int32(OFFSET), num_groups=L))
     _close(
         out_t,
         ref.tgmm_fp8_reference(*_q(x, 0), *_q(d, 0), SIZES, num_groups=L, group_offset=OFFSET),
@@ -218,10 +197,7 @@ def test_tgmm_gradient_runs_on_dequantized_residuals():
         x,
         d,
         jnp.asarray(SIZES, jnp.int32),
-        num_groups=L,
-        preferred_element_type=jnp.float32,
-        group_offset=jnp.int32(OFFSET),
-        tiling=None,
+        GmmCall(jnp.float32, jnp.int32(OFFSET), num_groups=L),
     )
     out, vjp = jax.vjp(f, x, d)
     dx, dd = vjp(dout)

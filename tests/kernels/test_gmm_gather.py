@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from fake_devices import run_worker
-from moetext.kernels.gmm import gather
+from moetext.kernels.gmm import GmmCall, WeightGather, gather
 
 
 @pytest.fixture(scope="module")
@@ -120,13 +120,8 @@ def test_recipes_without_a_regather_refuse_it(quantization):
             x,
             w,
             sizes,
-            gather=((1, ("fsdp",)),),
-            grad_reduce_dtype=None,
-            preferred_element_type=jnp.float32,
-            transpose_rhs=False,
-            group_offset=jnp.zeros((), jnp.int32),
-            tiling=None,
-            regather=True,
+            GmmCall(jnp.float32, jnp.zeros((), jnp.int32)),
+            WeightGather(((1, ("fsdp",)),), None, regather=True),
         )
 
 

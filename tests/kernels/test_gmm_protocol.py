@@ -16,7 +16,6 @@ import pytest
 from shapes import assert_gmm_close
 
 from moetext.kernels import build_gmm
-from moetext.kernels.fp8 import reference as fp8_ref
 from moetext.kernels.gmm import (
     Gmm,
     GmmBackend,
@@ -27,7 +26,14 @@ from moetext.kernels.gmm import (
     gmm_reference,
     tgmm_reference,
 )
-from moetext.kernels.quant import Fp8Blockwise, available_recipes, make_recipe, registry
+from moetext.kernels.quant import (
+    Fp8Blockwise,
+    available_recipes,
+    make_recipe,
+    registry,
+    scaled_kernels_for,
+)
+from moetext.kernels.quant import fp8_reference as fp8_ref
 
 M, K, N, L, OFFSET = 64, 48, 40, 3, 1
 SIZES = [10, 20, 0, 25]  # window = groups 1..3: rows 10..54
@@ -58,20 +64,16 @@ class DenseMaskBackend(GmmBackend):
 
     name: ClassVar[str] = "dense_mask"
 
-    def gmm(
-        self, lhs, rhs, group_sizes, *, preferred_element_type, transpose_rhs, group_offset, tiling
-    ):
-        w = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
-        rows = self._rows(group_sizes, group_offset, w.shape[0], lhs.shape[0])  # [L, M]
+    def gmm(self, lhs, rhs, group_sizes, call):
+        w = jnp.swapaxes(rhs, 1, 2) if call.transpose_rhs else rhs
+        rows = self._rows(group_sizes, call.group_offset, w.shape[0], lhs.shape[0])  # [L, M]
         out = jnp.einsum("lm,mk,lkn->mn", rows, lhs.astype(jnp.float32), w.astype(jnp.float32))
-        return out.astype(preferred_element_type)
+        return out.astype(call.out_dtype)
 
-    def tgmm(
-        self, lhs, rhs, group_sizes, *, num_groups, preferred_element_type, group_offset, tiling
-    ):
-        rows = self._rows(group_sizes, group_offset, num_groups, lhs.shape[0])
+    def tgmm(self, lhs, rhs, group_sizes, call):
+        rows = self._rows(group_sizes, call.group_offset, call.num_groups, lhs.shape[0])
         out = jnp.einsum("lm,mk,mn->lkn", rows, lhs.astype(jnp.float32), rhs.astype(jnp.float32))
-        return out.astype(preferred_element_type)
+        return out.astype(call.out_dtype)
 
     @staticmethod
     def _rows(group_sizes, group_offset, num_local, m):
@@ -93,8 +95,8 @@ def test_the_protocol_is_declared_and_backends_compare_by_value():
         be = get_backend(name)
         assert isinstance(be, GmmBackend) and be.name == name
         assert be == get_backend(name) and hash(be) == hash(get_backend(name))
-        # The one optional hook: only pallas_tpu brings fused kernels for scaled operands.
-        assert (be.scaled_kernels() is not None) == (name == "pallas_tpu"), name
+        # Only pallas_tpu has fused kernels for scaled operands (paired in quant/).
+        assert (scaled_kernels_for(be) is not None) == (name == "pallas_tpu"), name
 
 
 def test_a_new_backend_gets_gradients_and_every_recipe():
@@ -126,13 +128,13 @@ class Bf16Operands(Recipe):
 
     name: ClassVar[str] = "bf16_operands"
 
-    def gmm(self, backend, lhs, rhs, group_sizes, **kw):
+    def gmm(self, backend, lhs, rhs, group_sizes, call):
         bf = jnp.bfloat16
-        return NoQuantization().gmm(backend, lhs.astype(bf), rhs.astype(bf), group_sizes, **kw)
+        return NoQuantization().gmm(backend, lhs.astype(bf), rhs.astype(bf), group_sizes, call)
 
-    def tgmm(self, backend, lhs, rhs, group_sizes, **kw):
+    def tgmm(self, backend, lhs, rhs, group_sizes, call):
         bf = jnp.bfloat16
-        return NoQuantization().tgmm(backend, lhs.astype(bf), rhs.astype(bf), group_sizes, **kw)
+        return NoQuantization().tgmm(backend, lhs.astype(bf), rhs.astype(bf), group_sizes, call)
 
 
 def test_a_new_recipe_is_a_class_and_a_registry_line(monkeypatch):

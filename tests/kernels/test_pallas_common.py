@@ -1,4 +1,4 @@
-"""The helpers the Pallas kernels share (kernels/pallas_common.py, gmm/tiling.py) against
+"""The helpers the Pallas kernels share (kernels/pallas/common.py, pallas/tiling.py) against
 independent oracles: exact integer arithmetic, a row-by-row coverage check of the visit schedule,
 and the generic interpreter for the TPU interpreter's aliased output.
 
@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from moetext.kernels.fp8 import gmm_fp8, quantize
-from moetext.kernels.gmm import tiling
-from moetext.kernels.pallas_common import (
+from moetext.kernels.pallas import gmm_fp8, tiling
+from moetext.kernels.pallas.common import (
     cdiv,
     make_group_metadata,
     max_visits,
@@ -24,6 +23,7 @@ from moetext.kernels.pallas_common import (
     resolve_interpret,
     round_up,
 )
+from moetext.kernels.quant import quantize
 
 # --- tile arithmetic -----------------------------------------------------------------------------
 

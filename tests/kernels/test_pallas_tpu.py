@@ -28,10 +28,10 @@ from shapes import (
 )
 
 from moetext.kernels import gmm as gmm_lib
-from moetext.kernels.gmm import gmm_reference, tgmm_reference
-from moetext.kernels.gmm.pallas_metadata import make_group_metadata, max_visits
+from moetext.kernels.gmm import GmmCall, gmm_reference, tgmm_reference
 from moetext.kernels.gmm.pallas_tpu import PallasTpuBackend
-from moetext.kernels.gmm.tiling import default_tiling
+from moetext.kernels.pallas.common import make_group_metadata, max_visits
+from moetext.kernels.pallas.tiling import default_tiling
 
 TILES = (32, 128, 128)
 # M, K, N all off the tiles: row, contraction and column tails at once; sum(sizes) < M.
@@ -155,14 +155,7 @@ def test_existing_out_keeps_non_local_rows(interpret):
     lhs, rhs, _, gs = make_inputs(case, jnp.float32)
     existing = jnp.asarray(np.random.default_rng(1).standard_normal((case.m, case.n)), jnp.float32)
     run = lambda lhs, rhs, gs, existing: PallasTpuBackend(interpret=interpret).gmm(
-        lhs,
-        rhs,
-        gs,
-        preferred_element_type=jnp.float32,
-        transpose_rhs=False,
-        group_offset=jnp.int32(1),
-        tiling=TILES,
-        existing_out=existing,
+        lhs, rhs, gs, GmmCall(jnp.float32, jnp.int32(1), TILES), existing_out=existing
     )
     out = _jit_run(run, lhs, rhs[1:4], gs, existing)
     ref = gmm_reference(f64(lhs), f64(rhs[1:4]), gs, group_offset=1)
@@ -213,30 +206,14 @@ def test_no_local_rows_gives_zeros():
 def test_tiling_validation(tiling, dtype, match):
     lhs, rhs, _, gs = make_inputs(TAIL, dtype)
     with pytest.raises(ValueError, match=match):
-        PallasTpuBackend().gmm(
-            lhs,
-            rhs,
-            gs,
-            preferred_element_type=dtype,
-            transpose_rhs=False,
-            group_offset=jnp.int32(0),
-            tiling=tiling,
-        )
+        PallasTpuBackend().gmm(lhs, rhs, gs, GmmCall(dtype, jnp.int32(0), tiling))
 
 
 def test_tiling_vmem_and_chip_errors():
     lhs, rhs, dout, gs = make_inputs(GMM_CASES[0], jnp.float32)
     big = jax.ShapeDtypeStruct((8192, 8192), jnp.float32)
     call = lambda be, t: jax.eval_shape(
-        lambda a, d: be.tgmm(
-            a,
-            d,
-            gs,
-            num_groups=3,
-            preferred_element_type=jnp.float32,
-            group_offset=jnp.int32(0),
-            tiling=t,
-        ),
+        lambda a, d: be.tgmm(a, d, gs, GmmCall(jnp.float32, jnp.int32(0), t, num_groups=3)),
         big,
         big,
     )

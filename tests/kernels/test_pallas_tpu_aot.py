@@ -11,7 +11,6 @@ a gathered expert weight's gradient on a 32-chip slice and reads the HLO for wei
 import contextlib
 import functools
 import re
-from typing import TypedDict
 from unittest import mock
 
 import jax
@@ -20,26 +19,16 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
-from jax.typing import DTypeLike
 
 from moetext.aot import TOPOLOGY_BY_CHIP, tpu_devices
-from moetext.kernels.gmm import Gmm
+from moetext.kernels.gmm import Gmm, GmmCall
 from moetext.kernels.gmm import api as gmm_api
-from moetext.kernels.gmm.backend import TilingArg
 from moetext.kernels.gmm.pallas_tpu import PallasTpuBackend
 
 pytestmark = pytest.mark.tpu_aot
 
 M = 8192 * 8  # 8192 tokens routed to top-8 experts
 MODELS = {"qwen3-30b-a3b": (2048, 768, 128), "qwen3-235b-a22b": (4096, 1536, 128)}  # D, F, E
-
-
-class _Common(TypedDict):
-    """Keyword arguments shared by every gmm/tgmm call of a test (typed, so `**` checks)."""
-
-    preferred_element_type: DTypeLike
-    group_offset: jax.Array
-    tiling: TilingArg
 
 
 @functools.cache
@@ -49,11 +38,11 @@ def _device(chip: str):
 
 def _calls(backend: PallasTpuBackend, d: int, f: int, e: int):
     """{call: (fn, arg shapes)} for the gate/up projection x[M, D] @ w[E, D, F]."""
-    bf16, zero = jnp.bfloat16, jnp.int32(0)
-    common = _Common(preferred_element_type=bf16, group_offset=zero, tiling=None)
-    fwd = lambda x, w, gs: backend.gmm(x, w, gs, transpose_rhs=False, **common)
-    dlhs = lambda dy, w, gs: backend.gmm(dy, w, gs, transpose_rhs=True, **common)
-    drhs = lambda x, dy, gs: backend.tgmm(x, dy, gs, num_groups=e, **common)
+    bf16 = jnp.bfloat16
+    common = GmmCall(bf16, jnp.int32(0))
+    fwd = lambda x, w, gs: backend.gmm(x, w, gs, common)
+    dlhs = lambda dy, w, gs: backend.gmm(dy, w, gs, common.replace(transpose_rhs=True))
+    drhs = lambda x, dy, gs: backend.tgmm(x, dy, gs, common.replace(num_groups=e))
     x, w, dy, gs = (M, d), (e, d, f), (M, f), (e,)
     return {
         "fwd": (fwd, ((x, bf16), (w, bf16), (gs, jnp.int32))),
@@ -94,23 +83,23 @@ TAIL_M, TAIL_K, TAIL_N, TAIL_G = 1000, 320, 200, 8
 
 def _tail_calls(backend: PallasTpuBackend):
     bf16, i32 = jnp.bfloat16, jnp.int32
-    kw = _Common(preferred_element_type=bf16, group_offset=jnp.int32(0), tiling=(128, 128, 128))
+    kw = GmmCall(bf16, jnp.int32(0), (128, 128, 128))
     m, k, n, g = TAIL_M, TAIL_K, TAIL_N, TAIL_G
     return {
         "fwd": (
-            lambda x, w, gs: backend.gmm(x, w, gs, transpose_rhs=False, **kw),
+            lambda x, w, gs: backend.gmm(x, w, gs, kw),
             (((m, k), bf16), ((g, k, n), bf16), ((g,), i32)),
         ),
         "transpose_rhs": (
-            lambda x, w, gs: backend.gmm(x, w, gs, transpose_rhs=True, **kw),
+            lambda x, w, gs: backend.gmm(x, w, gs, kw.replace(transpose_rhs=True)),
             (((m, k), bf16), ((g, n, k), bf16), ((g,), i32)),
         ),
         "existing_out": (
-            lambda x, w, gs, e: backend.gmm(x, w, gs, transpose_rhs=False, existing_out=e, **kw),
+            lambda x, w, gs, e: backend.gmm(x, w, gs, kw, existing_out=e),
             (((m, k), bf16), ((g, k, n), bf16), ((g,), i32), ((m, n), bf16)),
         ),
         "tgmm": (
-            lambda x, d, gs: backend.tgmm(x, d, gs, num_groups=g, **kw),
+            lambda x, d, gs: backend.tgmm(x, d, gs, kw.replace(num_groups=g)),
             (((m, k), bf16), ((m, n), bf16), ((g,), i32)),
         ),
     }

@@ -16,10 +16,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from moetext.kernels.fp8 import quantize_tensorwise
-from moetext.kernels.fp8 import reference as ref
 from moetext.kernels.gmm import Gmm, available_backends, get_backend
-from moetext.kernels.quant import Fp8Tensorwise, make_recipe
+from moetext.kernels.quant import Fp8Tensorwise, make_recipe, quantize_tensorwise
+from moetext.kernels.quant import fp8_reference as ref
 
 TOL = 1e-5
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2

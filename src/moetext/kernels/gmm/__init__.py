@@ -5,11 +5,13 @@
     dw  = op.tgmm(lhs, dout, group_sizes)             # [M,K] x [M,N]   -> [G,K,N]
     out = gmm(lhs, rhs, group_sizes, backend="auto")  # the same, one call
 
-Two declared seams: `GmmBackend` (backend.py: forward math, optional fused kernels for scaled
-operands) and `Recipe` (recipe.py: quantization and autodiff around any backend; the quantized
-recipes are in `moetext.kernels.quant`). Importing this package registers every backend whose
-dependencies import: reference, ragged_dot, blocked always; tokamax when installed; pallas_tpu
-when its module is present.
+Two declared seams: `GmmBackend` (backend.py: forward math) and `Recipe` (recipe.py:
+quantization and autodiff around any backend; the quantized recipes are in
+`moetext.kernels.quant`). Both take the per-call options as one `GmmCall` (backend.py). The
+Pallas kernel bodies the pallas_tpu backend runs are in `moetext.kernels.pallas`.
+
+Importing this package registers every backend whose dependencies import: reference,
+ragged_dot, blocked always; tokamax when installed; pallas_tpu when its module is present.
 """
 
 import importlib as _importlib
@@ -18,14 +20,14 @@ from moetext.kernels.gmm import blocked, ragged_dot, reference  # noqa: F401  (r
 from moetext.kernels.gmm.api import Gmm, gmm, local_row_mask, tgmm
 from moetext.kernels.gmm.backend import (
     GmmBackend,
-    ScaledKernels,
+    GmmCall,
     Tiling,
     auto_backend_name,
     available_backends,
     get_backend,
     register,
 )
-from moetext.kernels.gmm.gather import Gather, all_gather_dims, psum_scatter_dims
+from moetext.kernels.gmm.gather import Gather, WeightGather, all_gather_dims, psum_scatter_dims
 from moetext.kernels.gmm.recipe import NoQuantization, Recipe
 from moetext.kernels.gmm.reference import gmm_reference, tgmm_reference
 
@@ -40,10 +42,11 @@ __all__ = [
     "Gather",
     "Gmm",
     "GmmBackend",
+    "GmmCall",
     "NoQuantization",
     "Recipe",
-    "ScaledKernels",
     "Tiling",
+    "WeightGather",
     "all_gather_dims",
     "auto_backend_name",
     "available_backends",

@@ -10,8 +10,10 @@ expert-parallel shard, serving groups [group_offset, group_offset + G_local)).
 
 A `Gmm` is what a layer receives: the backend, the recipe, and the options every call of a
 model shares (tiling, checked, grad_reduce_dtype, fuse_gate_up). It checks the inputs, handles
-`rhs_gather` and `existing_out`, and hands the math to `recipe.gmm(backend, ...)`, which owns
-the autodiff (`recipe.NoQuantization`: the custom_vjp over the backend protocol).
+`rhs_gather` and `existing_out`, and hands the math to `recipe.gmm(backend, lhs, rhs,
+group_sizes, call)`, which owns the autodiff (`recipe.NoQuantization`: the custom_vjp over the
+backend protocol). `call` (backend.GmmCall) is the one object that carries the per-call options
+(output dtype, group offset, tiling, transpose_rhs / num_groups) down to the backend.
 """
 
 from __future__ import annotations
@@ -24,8 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
-from moetext.kernels.gmm.backend import GmmBackend, Tiling, TilingArg, get_backend
-from moetext.kernels.gmm.gather import Gather, check_gather, gathered_shape, minor_swapped
+from moetext.kernels.gmm.backend import GmmBackend, GmmCall, Tiling, TilingArg, get_backend
+from moetext.kernels.gmm.gather import (
+    Gather,
+    WeightGather,
+    check_gather,
+    gathered_shape,
+    minor_swapped,
+)
 from moetext.kernels.gmm.recipe import NoQuantization, Recipe
 
 
@@ -119,33 +127,25 @@ class Gmm:
             raise ValueError(f"gmm: existing_out must be {(m, n)}, got {existing_out.shape}")
         if self.checked:
             _runtime_check(sizes, m)
-        call: dict[str, Any] = dict(
-            preferred_element_type=jnp.dtype(preferred_element_type or lhs.dtype),
+        call = GmmCall(
+            jnp.dtype(preferred_element_type or lhs.dtype),
+            offset,
+            self.tiling,
             transpose_rhs=bool(transpose_rhs),
-            group_offset=offset,
-            tiling=self.tiling,
         )
         if gather:
             swapped = None if transpose_rhs else minor_swapped(rhs.shape, gather)
             if swapped is not None:
                 # The same matmul on the slice with its last two dims swapped: see minor_swapped.
                 rhs, gather = jnp.swapaxes(rhs, 1, 2), swapped
-                call["transpose_rhs"] = not transpose_rhs
+                call = call.replace(transpose_rhs=not transpose_rhs)
             reduce_dtype = (
                 None if self.grad_reduce_dtype is None else jnp.dtype(self.grad_reduce_dtype)
             )
-            out = self.recipe.gathered_gmm(
-                self.backend,
-                lhs,
-                rhs,
-                sizes,
-                gather=gather,
-                grad_reduce_dtype=reduce_dtype,
-                regather=self.regather_weights,
-                **call,
-            )
+            weights = WeightGather(gather, reduce_dtype, self.regather_weights)
+            out = self.recipe.gathered_gmm(self.backend, lhs, rhs, sizes, call, weights)
         else:
-            out = self.recipe.gmm(self.backend, lhs, rhs, sizes, **call)
+            out = self.recipe.gmm(self.backend, lhs, rhs, sizes, call)
         if existing_out is None:
             return out
         mine = local_row_mask(sizes, offset, g_local, m)
@@ -175,16 +175,13 @@ class Gmm:
         sizes, offset = _check_groups("tgmm", sizes, num_local, group_offset)
         if self.checked:
             _runtime_check(sizes, m)
-        return self.recipe.tgmm(
-            self.backend,
-            lhs,
-            rhs,
-            sizes,
+        call = GmmCall(
+            jnp.dtype(preferred_element_type or lhs.dtype),
+            offset,
+            self.tiling,
             num_groups=num_local,
-            preferred_element_type=jnp.dtype(preferred_element_type or lhs.dtype),
-            group_offset=offset,
-            tiling=self.tiling,
         )
+        return self.recipe.tgmm(self.backend, lhs, rhs, sizes, call)
 
     def store_residual(self, x: jax.Array) -> Any:
         """An activation kept for the backward outside a gmm, as the recipe keeps its own (FP8

@@ -10,31 +10,64 @@ calls `register`; there are no boolean flags.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import jax
+import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-if TYPE_CHECKING:  # fp8 imports gmm (its Pallas kernels use gmm.tiling): no runtime import
-    from moetext.kernels.fp8.quantize import Quantized
+from moetext.kernels.pallas.tiling import Tiling, TilingArg
 
-Tiling = tuple[int, int, int]
-# Per call: fixed (tm, tk, tn), a callable (m, k, n, dtype, chip) -> tiles (a TPU table), or None
-# for each backend's default.
-TilingArg = Tiling | Callable[..., Tiling] | None
+__all__ = ["GmmBackend", "GmmCall", "Tiling", "TilingArg", "get_backend", "register"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GmmCall:
+    """What one gmm / tgmm call carries besides its operands, passed as one object from `Gmm`
+    through the recipe to the backend (and to a recipe's scaled kernels).
+
+    out_dtype: the output dtype (jax's preferred_element_type); accumulation is f32 at least.
+    group_offset: [] int32, traced: rhs[i] (gmm) / out[i] (tgmm) serves group group_offset + i.
+    tiling: fixed (tm, tk, tn), a callable (m, k, n, dtype, chip) -> tiles, or None for each
+      backend's default.
+    transpose_rhs: gmm reads rhs as [G_local, N, K]; tgmm ignores it.
+    num_groups: tgmm's G_local (the groups of its output); gmm reads G_local off rhs.
+
+    A pytree: group_offset is its one leaf, the rest is static, so a call passes through jit
+    and custom_vjp as an ordinary argument and `replace` derives the backward's calls.
+    """
+
+    out_dtype: DTypeLike = dataclasses.field(metadata={"static": True})  # a jnp.dtype once built
+    group_offset: jax.Array
+    tiling: TilingArg = dataclasses.field(default=None, metadata={"static": True})
+    transpose_rhs: bool = dataclasses.field(default=False, metadata={"static": True})
+    num_groups: int | None = dataclasses.field(default=None, metadata={"static": True})
+
+    def replace(self, **changes: Any) -> GmmCall:
+        """This call with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "out_dtype", jnp.dtype(self.out_dtype))
+
+    @property
+    def local_groups(self) -> int:
+        """tgmm's G_local; a ValueError when the call does not say it."""
+        if self.num_groups is None:
+            raise ValueError("tgmm: GmmCall.num_groups (the local groups of the output) is unset")
+        return self.num_groups
 
 
 class GmmBackend(abc.ABC):
-    """A grouped-matmul backend: forward `gmm` and `tgmm`, and optional hooks with defaults.
+    """A grouped-matmul backend: forward `gmm` and `tgmm` only.
 
     Required: `name` (the registry name) and the two forward methods below. Shapes are static;
-    `group_sizes` and `group_offset` are traced. Rows outside the local groups come out zero.
-
-    Optional hook (the default is correct for every backend):
-      `scaled_kernels()`: fused kernels for block-scaled low-precision operands (FP8 values plus
-        float32 block scales). None, the default, makes a quantization recipe multiply the
-        dequantized operands with `gmm` / `tgmm` instead; pallas_tpu returns its FP8 kernels.
+    `group_sizes` and `call.group_offset` are traced. Rows outside the local groups come out
+    zero. Autodiff and quantization live above (`recipe.Recipe`); fused kernels for FP8
+    operands are the quantization room's (kernels/quant/scaled_kernels.py), not a backend's.
 
     Backends are frozen dataclasses (or otherwise hashable by value): a backend is a static
     argument of jit and custom_vjp, so two equal backends must hash equal.
@@ -46,16 +79,12 @@ class GmmBackend(abc.ABC):
     def gmm(
         self,
         lhs: jax.Array,  # [M, K]
-        rhs: jax.Array,  # [G_local, K, N] ([G_local, N, K] when transpose_rhs)
+        rhs: jax.Array,  # [G_local, K, N] ([G_local, N, K] when call.transpose_rhs)
         group_sizes: jax.Array,  # [G] int32, G >= G_local
-        *,
-        preferred_element_type: DTypeLike,
-        transpose_rhs: bool,
-        group_offset: jax.Array,  # [] int32: rhs[i] serves group group_offset + i
-        tiling: TilingArg,
+        call: GmmCall,
     ) -> jax.Array:
         """[M, N]: rows of local group g = lhs rows @ rhs[g - group_offset]; other rows zero.
-        Accumulates in float32 at least; the output is `preferred_element_type`."""
+        Accumulates in float32 at least; the output is `call.out_dtype`."""
 
     @abc.abstractmethod
     def tgmm(
@@ -63,64 +92,10 @@ class GmmBackend(abc.ABC):
         lhs: jax.Array,  # [M, K]
         rhs: jax.Array,  # [M, N]
         group_sizes: jax.Array,  # [G] int32
-        *,
-        num_groups: int,  # G_local: groups group_offset .. group_offset + num_groups - 1
-        preferred_element_type: DTypeLike,
-        group_offset: jax.Array,
-        tiling: TilingArg,
+        call: GmmCall,  # call.num_groups = G_local
     ) -> jax.Array:
         """[G_local, K, N]: out[i] = lhs[rows of g].T @ rhs[rows of g], g = group_offset + i;
         zero for empty groups."""
-
-    def scaled_kernels(self) -> ScaledKernels | None:
-        """This backend's fused kernels for block-scaled operands, or None (the default): a
-        recipe then dequantizes the operands and calls `gmm` / `tgmm`."""
-        return None
-
-
-class ScaledKernels(Protocol):
-    """Fused grouped matmuls on block-quantized operands (`GmmBackend.scaled_kernels`).
-
-    The operands are `fp8.Quantized` (values, float32 block scales, blocked axis, block size).
-    The kernels accumulate the exact products of the low-precision values in float32 and apply
-    each block's scales before adding it, so they compute exactly what multiplying the
-    dequantized operands in float32 computes, up to float32 summation order.
-    """
-
-    def quantize(
-        self, x: jax.Array, *, axis: int | None, block_size: int, dtype: DTypeLike
-    ) -> Quantized:
-        """`Quantized.of(x, ...)` the way these kernels want it fed (e.g. a Pallas quantize
-        kernel on TPU); bit-identical to the XLA quantization."""
-        ...
-
-    def gmm(
-        self,
-        lhs: Quantized,  # [M, K], blocks along K
-        rhs: Quantized,  # blocks along its contraction axis, or block_size^2 tiles
-        group_sizes: jax.Array,
-        *,
-        preferred_element_type: DTypeLike,
-        transpose_rhs: bool,
-        group_offset: jax.Array,
-        tiling: TilingArg,
-    ) -> jax.Array:
-        """`GmmBackend.gmm` on the dequantized operands, fused."""
-        ...
-
-    def tgmm(
-        self,
-        lhs: Quantized,  # [M, K], blocks along M (the reduction axis)
-        rhs: Quantized,  # [M, N], blocks along M
-        group_sizes: jax.Array,
-        *,
-        num_groups: int,
-        preferred_element_type: DTypeLike,
-        group_offset: jax.Array,
-        tiling: TilingArg,
-    ) -> jax.Array:
-        """`GmmBackend.tgmm` on the dequantized operands, fused."""
-        ...
 
 
 _REGISTRY: dict[str, Callable[[], GmmBackend]] = {}

@@ -28,11 +28,11 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.typing import ArrayLike, DTypeLike
+from jax import Array, lax
+from jax.typing import DTypeLike
 
-from moetext.kernels.gmm.backend import GmmBackend, TilingArg, register
-from moetext.kernels.pallas_common import pow2_ceil
+from moetext.kernels.gmm.backend import GmmBackend, GmmCall, TilingArg, register
+from moetext.kernels.pallas.common import pow2_ceil
 
 _MAX_TM = 512  # larger full tiles gain nothing measurable on XLA:CPU and raise the waste bound
 _MIN_TM = 128  # below this a full tile is too small to reach matmul speed
@@ -49,7 +49,7 @@ def choose_tiles(m: int, num_local: int, tiling: TilingArg = None) -> tuple[int,
     """
     if tiling is not None and not callable(tiling):
         tm = pow2_ceil(tiling[0])
-    else:  # a callable tiling is a per-chip TPU table (tiling.py); CPU tiles are chosen here
+    else:  # a callable tiling is a per-chip TPU table (pallas/tiling.py); CPU tiles are chosen here
         tm = min(_MAX_TM, max(_MIN_TM, pow2_ceil(2 * m // max(num_local, 1))))
     tm = min(tm, 1 << (max(m, 1).bit_length() - 1))
     smallest = min(tm, max(8, tm // _SIZES_BELOW_TM))
@@ -117,25 +117,33 @@ def _row_slice(
     return s, lax.dynamic_slice_in_dim(x_MX, s, rows, 0), (r >= row0) & (r < row0 + rows)
 
 
-def blocked_gmm(
-    lhs_MK: jax.Array,
-    rhs: jax.Array,
-    group_sizes: jax.Array,
-    *,
-    preferred_element_type: DTypeLike,
-    transpose_rhs: bool = False,
-    group_offset: ArrayLike = 0,
-    tiling: TilingArg = None,
-) -> jax.Array:
-    """Grouped matmul by per-group row tiles; see the module docstring."""
+@dataclasses.dataclass(frozen=True)
+class BlockedBackend(GmmBackend):
+    """Per-group row tiles over lax.dot_general; jit-able with traced group_sizes."""
+
+    name: ClassVar[str] = "blocked"
+
+    def gmm(self, lhs_MK: Array, rhs: Array, group_sizes: Array, call: GmmCall) -> Array:
+        """Grouped matmul by per-group row tiles; see the module docstring."""
+        return _gmm(lhs_MK, rhs, group_sizes, call)
+
+    def tgmm(self, lhs_MK: Array, rhs_MN: Array, group_sizes: Array, call: GmmCall) -> Array:
+        """out[g] = lhs[rows of g].T @ rhs[rows of g] by per-group row tiles -> [L, K, N]."""
+        return _tgmm(lhs_MK, rhs_MN, group_sizes, call)
+
+
+register("blocked", BlockedBackend)
+
+
+def _gmm(lhs_MK: Array, rhs: Array, group_sizes: Array, call: GmmCall) -> Array:
     m = lhs_MK.shape[0]
     num_local = rhs.shape[0]
-    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    pet = jnp.dtype(preferred_element_type)
+    n = rhs.shape[1] if call.transpose_rhs else rhs.shape[2]
+    pet = jnp.dtype(call.out_dtype)
     acc = _acc_dtype(pet)
-    tiles = choose_tiles(m, num_local, tiling)
-    contract = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
-    offset = jnp.asarray(group_offset, jnp.int32)
+    tiles = choose_tiles(m, num_local, call.tiling)
+    contract = (((1,), (1,)), ((), ())) if call.transpose_rhs else (((1,), (0,)), ((), ()))
+    offset = jnp.asarray(call.group_offset, jnp.int32)
 
     # Tiles run past their group's end: groups are visited in order, so those rows are later
     # overwritten by their own group, and rows no local group owns are zeroed once at the end.
@@ -161,23 +169,14 @@ def blocked_gmm(
     return jnp.where((rows >= lo) & (rows < hi), out_PN[:m], jnp.zeros((), pet))
 
 
-def blocked_tgmm(
-    lhs_MK: jax.Array,
-    rhs_MN: jax.Array,
-    group_sizes: jax.Array,
-    *,
-    num_groups: int,
-    preferred_element_type: DTypeLike,
-    group_offset: ArrayLike = 0,
-    tiling: TilingArg = None,
-) -> jax.Array:
-    """out[g] = lhs[rows of g].T @ rhs[rows of g] by per-group row tiles -> [L, K, N]."""
+def _tgmm(lhs_MK: Array, rhs_MN: Array, group_sizes: Array, call: GmmCall) -> Array:
     m, k = lhs_MK.shape
     n = rhs_MN.shape[1]
-    pet = jnp.dtype(preferred_element_type)
+    num_groups = call.local_groups
+    pet = jnp.dtype(call.out_dtype)
     acc = _acc_dtype(pet)
-    tiles = choose_tiles(m, num_groups, tiling)
-    offset = jnp.asarray(group_offset, jnp.int32)
+    tiles = choose_tiles(m, num_groups, call.tiling)
+    offset = jnp.asarray(call.group_offset, jnp.int32)
     # XLA:CPU runs a dot at full speed only with row-major operands contracting lhs columns;
     # x_tile.T @ y_tile written as a row contraction takes a path several times slower. One
     # transpose of lhs up front (M*K copy) makes each tile a plain [K, T] @ [T, N] product.
@@ -212,55 +211,3 @@ def blocked_tgmm(
 
     out: jax.Array = lax.fori_loop(0, num_groups, group, jnp.zeros((num_groups, k, n), pet))
     return out
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockedBackend(GmmBackend):
-    """Per-group row tiles over lax.dot_general; jit-able with traced group_sizes."""
-
-    name: ClassVar[str] = "blocked"
-
-    def gmm(
-        self,
-        lhs: jax.Array,
-        rhs: jax.Array,
-        group_sizes: jax.Array,
-        *,
-        preferred_element_type: DTypeLike,
-        transpose_rhs: bool,
-        group_offset: jax.Array,
-        tiling: TilingArg,
-    ) -> jax.Array:
-        return blocked_gmm(
-            lhs,
-            rhs,
-            group_sizes,
-            preferred_element_type=preferred_element_type,
-            transpose_rhs=transpose_rhs,
-            group_offset=group_offset,
-            tiling=tiling,
-        )
-
-    def tgmm(
-        self,
-        lhs: jax.Array,
-        rhs: jax.Array,
-        group_sizes: jax.Array,
-        *,
-        num_groups: int,
-        preferred_element_type: DTypeLike,
-        group_offset: jax.Array,
-        tiling: TilingArg,
-    ) -> jax.Array:
-        return blocked_tgmm(
-            lhs,
-            rhs,
-            group_sizes,
-            num_groups=num_groups,
-            preferred_element_type=preferred_element_type,
-            group_offset=group_offset,
-            tiling=tiling,
-        )
-
-
-register("blocked", BlockedBackend)

@@ -10,7 +10,7 @@ the bytes and the full-size gradient buffer the reduction needs, at bf16 summati
 The plain path (`gather_weight`) casts the slice to the compute dtype first, so the wire carries
 bf16 rather than f32 master weights, and reduce-scatters the gradient in the slice's own dtype
 (f32 master weights get an f32 reduction). This is `Recipe.gathered_gmm`'s default; the
-fp8_blockwise recipe with `qag=True` replaces it with a quantized all-gather (kernels/fp8/qag.py).
+fp8_blockwise recipe with `qag=True` replaces it with a quantized all-gather (kernels/quant/qag.py).
 
 `reduce_scatter_tiled` is the memory-lean form of the gradient's reduction: it computes the
 full-size gradient a tile at a time and reduce-scatters each tile before computing the next, so
@@ -25,6 +25,7 @@ collective per mesh axis.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterable, Iterator
@@ -38,6 +39,18 @@ from moetext.kernels.typed_jax import finfo, psum_scatter
 
 # ((dim, (mesh axis, ...)), ...): dims of a local slice split over mesh axes, gathered in order.
 Gather = tuple[tuple[int, tuple[str, ...]], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightGather:
+    """How a gmm gets a sharded weight slice (`Recipe.gathered_gmm`): the (dim, mesh axes)
+    pairs it is gathered along, the dtype its gradient is reduce-scattered in (None: the
+    slice's own), and whether the backward gathers it again instead of keeping the forward's
+    gathered copy (`Gmm.regather_weights`)."""
+
+    dims: Gather
+    reduce_dtype: jnp.dtype | None = None
+    regather: bool = False
 
 
 def check_gather(gather: Iterable[Any] | None, ndim: int) -> Gather:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-from jax.typing import DTypeLike
+from jax import Array
 
-from moetext.kernels.gmm.backend import GmmBackend, TilingArg, register
+from moetext.kernels.gmm.backend import GmmBackend, GmmCall, register
 from moetext.kernels.typed_jax import RaggedDotDimensionNumbers
 
 
@@ -40,40 +41,28 @@ class RaggedDotBackend(GmmBackend):
 
     name: ClassVar[str] = "ragged_dot"
 
-    def gmm(
-        self,
+    def gmm(self, lhs: Array, rhs: Array, group_sizes: Array, call: GmmCall) -> Array:
+        return self._masked_gmm(jax.lax.ragged_dot, lhs, rhs, group_sizes, call)
+
+    @staticmethod
+    def _masked_gmm(
+        ragged_dot: Callable[..., jax.Array],
         lhs: jax.Array,
         rhs: jax.Array,
         group_sizes: jax.Array,
-        *,
-        preferred_element_type: DTypeLike,
-        transpose_rhs: bool,
-        group_offset: jax.Array,
-        tiling: TilingArg,
+        call: GmmCall,
     ) -> jax.Array:
-        del tiling
-        m = lhs.shape[0]
-        sizes, mask = local_window(group_sizes, group_offset, rhs.shape[0], m)
-        if transpose_rhs:
+        """ragged_dot(lhs, rhs, sizes) on the local window, rows outside it zeroed."""
+        sizes, mask = local_window(group_sizes, call.group_offset, rhs.shape[0], lhs.shape[0])
+        if call.transpose_rhs:
             rhs = jnp.swapaxes(rhs, 1, 2)
         lhs = jnp.where(mask[:, None], lhs, jnp.zeros((), lhs.dtype))
-        out = jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=preferred_element_type)
+        out = ragged_dot(lhs, rhs, sizes, preferred_element_type=call.out_dtype)
         return jnp.where(mask[:, None], out, jnp.zeros((), out.dtype))
 
-    def tgmm(
-        self,
-        lhs: jax.Array,
-        rhs: jax.Array,
-        group_sizes: jax.Array,
-        *,
-        num_groups: int,
-        preferred_element_type: DTypeLike,
-        group_offset: jax.Array,
-        tiling: TilingArg,
-    ) -> jax.Array:
-        del tiling
-        m = lhs.shape[0]
-        sizes, mask = local_window(group_sizes, group_offset, num_groups, m)
+    def tgmm(self, lhs: Array, rhs: Array, group_sizes: Array, call: GmmCall) -> Array:
+        m, num_groups = lhs.shape[0], call.local_groups
+        sizes, mask = local_window(group_sizes, call.group_offset, num_groups, m)
         lhs = jnp.where(mask[:, None], lhs, jnp.zeros((), lhs.dtype))
         rhs = jnp.where(mask[:, None], rhs, jnp.zeros((), rhs.dtype))
         dims = RaggedDotDimensionNumbers(
@@ -82,7 +71,7 @@ class RaggedDotBackend(GmmBackend):
             rhs_group_dimensions=[],
         )
         return jax.lax.ragged_dot_general(
-            lhs, rhs, sizes, dims, preferred_element_type=preferred_element_type
+            lhs, rhs, sizes, dims, preferred_element_type=call.out_dtype
         )
 
 

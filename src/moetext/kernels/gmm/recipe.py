@@ -18,15 +18,17 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+from jax import Array
 from jax.typing import DTypeLike
 
-from moetext.kernels.gmm.backend import GmmBackend, TilingArg
+from moetext.kernels.gmm.backend import GmmBackend, GmmCall
 from moetext.kernels.gmm.gather import (
-    Gather,
+    WeightGather,
     all_gather_dims,
     gather_weight,
     narrow,
@@ -38,8 +40,9 @@ from moetext.kernels.typed_jax import optimization_barrier
 class Recipe(abc.ABC):
     """How a grouped matmul and its gradients run on (possibly quantized) operands.
 
-    Required: `name` (the registry name), and differentiable `gmm` / `tgmm` taking the backend
-    plus the arguments of the backend protocol (shapes already checked by `api.Gmm`).
+    Required: `name` (the registry name), and differentiable `gmm` / `tgmm` taking the backend,
+    the operands and the `GmmCall` the backend protocol takes (shapes already checked by
+    `api.Gmm`).
 
     Optional hooks (defaults below):
       `quantizes`: False only for the identity; "auto" settings key off it.
@@ -59,13 +62,9 @@ class Recipe(abc.ABC):
         self,
         backend: GmmBackend,
         lhs: jax.Array,  # [M, K]
-        rhs: jax.Array,  # [G_local, K, N] ([G_local, N, K] when transpose_rhs)
+        rhs: jax.Array,  # [G_local, K, N] ([G_local, N, K] when call.transpose_rhs)
         group_sizes: jax.Array,  # [G] int32
-        *,
-        preferred_element_type: DTypeLike,
-        transpose_rhs: bool,
-        group_offset: jax.Array,  # [] int32
-        tiling: TilingArg,
+        call: GmmCall,
     ) -> jax.Array:
         """[M, N], differentiable in lhs and rhs (gradients in their dtypes)."""
 
@@ -76,11 +75,7 @@ class Recipe(abc.ABC):
         lhs: jax.Array,  # [M, K]
         rhs: jax.Array,  # [M, N]
         group_sizes: jax.Array,
-        *,
-        num_groups: int,
-        preferred_element_type: DTypeLike,
-        group_offset: jax.Array,
-        tiling: TilingArg,
+        call: GmmCall,  # call.num_groups = G_local
     ) -> jax.Array:
         """[G_local, K, N], differentiable in lhs and rhs."""
 
@@ -88,37 +83,22 @@ class Recipe(abc.ABC):
         self,
         backend: GmmBackend,
         lhs: jax.Array,
-        rhs: jax.Array,  # this shard's slice of the weights, split along `gather`
+        rhs: jax.Array,  # this shard's slice of the weights, split along `gather.dims`
         group_sizes: jax.Array,
-        *,
-        gather: Gather,
-        grad_reduce_dtype: DTypeLike | None,
-        preferred_element_type: DTypeLike,
-        transpose_rhs: bool,
-        group_offset: jax.Array,
-        tiling: TilingArg,
-        regather: bool = False,
+        call: GmmCall,
+        gather: WeightGather,
     ) -> jax.Array:
         """gmm on the all-gathered weights; the weight gradient is reduce-scattered back to the
-        slice (in `grad_reduce_dtype`, default the slice's dtype) and returned in its dtype.
-        regather: gather the weights again in the backward instead of keeping the forward's
-        copy (NoQuantization implements it; this default path keeps the copy, so it refuses)."""
-        if regather:
+        slice (in `gather.reduce_dtype`, default the slice's dtype) and returned in its dtype.
+        gather.regather (gather the weights again in the backward instead of keeping the
+        forward's copy) is NoQuantization's; this default path keeps the copy, so it refuses."""
+        if gather.regather:
             raise ValueError(
                 f"regather_weights is not implemented by the {self.name!r} recipe's gathered "
                 f"gmm; it is by quantization 'none'"
             )
-        full = gather_weight(rhs, gather, lhs.dtype, grad_reduce_dtype)
-        return self.gmm(
-            backend,
-            lhs,
-            full,
-            group_sizes,
-            preferred_element_type=preferred_element_type,
-            transpose_rhs=transpose_rhs,
-            group_offset=group_offset,
-            tiling=tiling,
-        )
+        full = gather_weight(rhs, gather.dims, lhs.dtype, gather.reduce_dtype)
+        return self.gmm(backend, lhs, full, group_sizes, call)
 
     def store_residual(self, backend: GmmBackend, x: jax.Array) -> Any:
         """What the backward keeps of activation x (a pytree); the default is x itself."""
@@ -139,304 +119,155 @@ class NoQuantization(Recipe):
     quantizes: ClassVar[bool] = False
 
     def gmm(
-        self,
-        backend: GmmBackend,
-        lhs: jax.Array,
-        rhs: jax.Array,
-        group_sizes: jax.Array,
-        *,
-        preferred_element_type: DTypeLike,
-        transpose_rhs: bool,
-        group_offset: jax.Array,
-        tiling: TilingArg,
-    ) -> jax.Array:
-        pet = jnp.dtype(preferred_element_type)
-        out: jax.Array = _gmm(
-            backend, pet, transpose_rhs, tiling, lhs, rhs, group_sizes, group_offset
-        )
-        return out
+        self, backend: GmmBackend, lhs: Array, rhs: Array, sizes: Array, call: GmmCall
+    ) -> Array:
+        return _grouped((backend, False), lhs, rhs, sizes, call)
 
     def tgmm(
-        self,
-        backend: GmmBackend,
-        lhs: jax.Array,
-        rhs: jax.Array,
-        group_sizes: jax.Array,
-        *,
-        num_groups: int,
-        preferred_element_type: DTypeLike,
-        group_offset: jax.Array,
-        tiling: TilingArg,
-    ) -> jax.Array:
-        pet = jnp.dtype(preferred_element_type)
-        out: jax.Array = _tgmm(
-            backend, pet, num_groups, tiling, lhs, rhs, group_sizes, group_offset
-        )
-        return out
+        self, backend: GmmBackend, lhs: Array, rhs: Array, sizes: Array, call: GmmCall
+    ) -> Array:
+        return _grouped((backend, True), lhs, rhs, sizes, call)
 
     def gathered_gmm(
         self,
         backend: GmmBackend,
-        lhs: jax.Array,
-        rhs: jax.Array,
-        group_sizes: jax.Array,
-        *,
-        gather: Gather,
-        grad_reduce_dtype: DTypeLike | None,
-        preferred_element_type: DTypeLike,
-        transpose_rhs: bool,
-        group_offset: jax.Array,
-        tiling: TilingArg,
-        regather: bool = False,
-    ) -> jax.Array:
+        lhs: Array,
+        rhs: Array,
+        group_sizes: Array,
+        call: GmmCall,
+        gather: WeightGather,
+    ) -> Array:
         """The default's math (gmm on the all-gathered weights), one custom_vjp over both: the
-        weight gradient is computed and reduce-scattered a tile at a time. regather: the
+        weight gradient is computed and reduce-scattered a tile at a time. gather.regather: the
         backward gathers the weights again rather than keeping the forward's gathered copy."""
-        s = _GatheredStatic(
-            backend,
-            jnp.dtype(preferred_element_type),
-            bool(transpose_rhs),
-            tiling,
-            gather,
-            None if grad_reduce_dtype is None else jnp.dtype(grad_reduce_dtype),
-            jnp.dtype(rhs.dtype),
-            bool(regather),
-        )
-        out: jax.Array = _gathered_gmm(s, lhs, rhs, group_sizes, group_offset)
+        return _gathered_gmm((backend, gather, jnp.dtype(rhs.dtype)), lhs, rhs, group_sizes, call)
+
+
+def static_vjp(
+    fwd: Callable[..., tuple[Array, Any]], bwd: Callable[..., tuple[Any, ...]]
+) -> Callable[..., Array]:
+    """f(static, *args) = fwd(static, *args)[0], differentiated by bwd(static, residuals, dout):
+    the custom_vjp every recipe writes, with its first argument static (hashable)."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def f(static: Any, *args: Any) -> Array:
+        out: Array = fwd(static, *args)[0]
         return out
+
+    f.defvjp(fwd, bwd)
+    return f
 
 
 # --- the custom_vjp over the backend protocol --------------------------------------------------
 
-_Res = tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # lhs, rhs, group_sizes, group_offset
-_Grads = tuple[jax.Array, jax.Array, None, None]
+_Res = tuple[Array, Array, Array, GmmCall]  # lhs, rhs, group_sizes, call
+_Grads = tuple[Array, Array, None, None]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _gmm(
+def gmm_backward(
+    be: GmmBackend, lhs: Array, rhs: Array, group_sizes: Array, call: GmmCall, dout: Array
+) -> tuple[Array, Array]:
+    """(dlhs, drhs) of out = gmm(lhs, rhs, call) on `be`: dlhs = gmm(dout, rhs, transpose_rhs
+    flipped), drhs = tgmm(lhs, dout) (operands swapped when rhs is transposed), each in its
+    operand's dtype."""
+    dlhs = be.gmm(dout, rhs, group_sizes, dlhs_call(call, lhs.dtype))
+    a, b = (dout, lhs) if call.transpose_rhs else (lhs, dout)
+    drhs = be.tgmm(a, b, group_sizes, tgmm_call(call, rhs.shape[0], rhs.dtype))
+    return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype)
+
+
+def tgmm_backward(
     be: GmmBackend,
-    pet: jnp.dtype,
-    transpose_rhs: bool,
-    tiling: TilingArg,
-    lhs: jax.Array,
-    rhs: jax.Array,
-    group_sizes: jax.Array,
-    group_offset: jax.Array,
-) -> jax.Array:
-    return be.gmm(
-        lhs,
-        rhs,
-        group_sizes,
-        preferred_element_type=pet,
-        transpose_rhs=transpose_rhs,
-        group_offset=group_offset,
-        tiling=tiling,
-    )
+    lhs: Array,
+    rhs: Array,
+    group_sizes: Array,
+    call: GmmCall,
+    dout: Array,
+    *,
+    cast_dout: bool = False,
+) -> tuple[Array, Array]:
+    """(dlhs, drhs) of out = tgmm(lhs, rhs, call) on `be`: out[g] = lhs_g.T @ rhs_g, so
+    dlhs_g = rhs_g @ dout[g].T and drhs_g = lhs_g @ dout[g], each in its operand's dtype.
+    cast_dout: dout is cast to the other operand's dtype first (the FP8 recipes' second-order
+    gradient, on dequantized residuals)."""
+    d_r, d_l = (dout.astype(rhs.dtype), dout.astype(lhs.dtype)) if cast_dout else (dout, dout)
+    dlhs = be.gmm(rhs, d_r, group_sizes, gmm_call(call, lhs.dtype, transpose_rhs=True))
+    drhs = be.gmm(lhs, d_l, group_sizes, gmm_call(call, rhs.dtype, transpose_rhs=False))
+    return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype)
 
 
-def _gmm_fwd(
-    be: GmmBackend,
-    pet: jnp.dtype,
-    transpose_rhs: bool,
-    tiling: TilingArg,
-    lhs: jax.Array,
-    rhs: jax.Array,
-    group_sizes: jax.Array,
-    group_offset: jax.Array,
-) -> tuple[jax.Array, _Res]:
-    out: jax.Array = _gmm(be, pet, transpose_rhs, tiling, lhs, rhs, group_sizes, group_offset)
-    return out, (lhs, rhs, group_sizes, group_offset)
+def gmm_call(call: GmmCall, out_dtype: DTypeLike, *, transpose_rhs: bool) -> GmmCall:
+    """A gmm with `call`'s group offset and tiling (a backward's dlhs)."""
+    return GmmCall(jnp.dtype(out_dtype), call.group_offset, call.tiling, transpose_rhs)
 
 
-def _gmm_bwd(
-    be: GmmBackend,
-    pet: jnp.dtype,
-    transpose_rhs: bool,
-    tiling: TilingArg,
-    res: _Res,
-    dout: jax.Array,
-) -> _Grads:
-    lhs, rhs, group_sizes, group_offset = res
-    dlhs = be.gmm(
-        dout,
-        rhs,
-        group_sizes,
-        preferred_element_type=lhs.dtype,
-        transpose_rhs=not transpose_rhs,
-        group_offset=group_offset,
-        tiling=tiling,
-    )
-    a, b = (dout, lhs) if transpose_rhs else (lhs, dout)
-    drhs = be.tgmm(
-        a,
-        b,
-        group_sizes,
-        num_groups=rhs.shape[0],
-        preferred_element_type=rhs.dtype,
-        group_offset=group_offset,
-        tiling=tiling,
-    )
-    return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype), None, None
+def dlhs_call(call: GmmCall, out_dtype: DTypeLike) -> GmmCall:
+    """The gmm that gives dlhs of gmm(lhs, rhs, call): dout @ rhs with transpose_rhs flipped."""
+    return gmm_call(call, out_dtype, transpose_rhs=not call.transpose_rhs)
 
 
-_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+def tgmm_call(call: GmmCall, num_groups: int, out_dtype: DTypeLike) -> GmmCall:
+    """A tgmm with `call`'s group offset and tiling (a backward's drhs)."""
+    return GmmCall(jnp.dtype(out_dtype), call.group_offset, call.tiling, num_groups=int(num_groups))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _tgmm(
-    be: GmmBackend,
-    pet: jnp.dtype,
-    num_groups: int,
-    tiling: TilingArg,
-    lhs: jax.Array,
-    rhs: jax.Array,
-    group_sizes: jax.Array,
-    group_offset: jax.Array,
-) -> jax.Array:
-    return be.tgmm(
-        lhs,
-        rhs,
-        group_sizes,
-        num_groups=num_groups,
-        preferred_element_type=pet,
-        group_offset=group_offset,
-        tiling=tiling,
-    )
+# static: (backend, transposed): the backend's gmm (False) or tgmm (True).
+def _grouped_fwd(
+    static: tuple[GmmBackend, bool], lhs: Array, rhs: Array, sizes: Array, call: GmmCall
+) -> tuple[Array, _Res]:
+    be, transposed = static
+    out = (be.tgmm if transposed else be.gmm)(lhs, rhs, sizes, call)
+    return out, (lhs, rhs, sizes, call)
 
 
-def _tgmm_fwd(
-    be: GmmBackend,
-    pet: jnp.dtype,
-    num_groups: int,
-    tiling: TilingArg,
-    lhs: jax.Array,
-    rhs: jax.Array,
-    group_sizes: jax.Array,
-    group_offset: jax.Array,
-) -> tuple[jax.Array, _Res]:
-    out: jax.Array = _tgmm(be, pet, num_groups, tiling, lhs, rhs, group_sizes, group_offset)
-    return out, (lhs, rhs, group_sizes, group_offset)
+def _grouped_bwd(static: tuple[GmmBackend, bool], res: _Res, dout: Array) -> _Grads:
+    be, transposed = static
+    return (*(tgmm_backward if transposed else gmm_backward)(be, *res, dout), None, None)
 
 
-def _tgmm_bwd(
-    be: GmmBackend,
-    pet: jnp.dtype,
-    num_groups: int,
-    tiling: TilingArg,
-    res: _Res,
-    dout: jax.Array,
-) -> _Grads:
-    # out[g] = lhs_g.T @ rhs_g  =>  dlhs_g = rhs_g @ dout[g].T,  drhs_g = lhs_g @ dout[g]
-    lhs, rhs, group_sizes, group_offset = res
-    dlhs = be.gmm(
-        rhs,
-        dout,
-        group_sizes,
-        preferred_element_type=lhs.dtype,
-        transpose_rhs=True,
-        group_offset=group_offset,
-        tiling=tiling,
-    )
-    drhs = be.gmm(
-        lhs,
-        dout,
-        group_sizes,
-        preferred_element_type=rhs.dtype,
-        transpose_rhs=False,
-        group_offset=group_offset,
-        tiling=tiling,
-    )
-    return dlhs.astype(lhs.dtype), drhs.astype(rhs.dtype), None, None
-
-
-_tgmm.defvjp(_tgmm_fwd, _tgmm_bwd)
+_grouped = static_vjp(_grouped_fwd, _grouped_bwd)
 
 
 # --- gmm on all-gathered weight slices ---------------------------------------------------------
 
-
-@dataclasses.dataclass(frozen=True)
-class _GatheredStatic:
-    be: GmmBackend
-    pet: jnp.dtype
-    transpose_rhs: bool
-    tiling: TilingArg
-    gather: Gather
-    reduce_dtype: jnp.dtype | None  # None: the slice's dtype
-    w_dtype: jnp.dtype  # the slice's dtype (f32 master weights)
-    regather: bool  # the backward gathers again instead of keeping the forward's copy
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _gathered_gmm(
-    s: _GatheredStatic,
-    lhs: jax.Array,
-    w: jax.Array,
-    group_sizes: jax.Array,
-    group_offset: jax.Array,
-) -> jax.Array:
-    return _gathered_gmm_fwd(s, lhs, w, group_sizes, group_offset)[0]
+# (backend, the gather, the slice's dtype: f32 master weights)
+_GatheredStatic = tuple[GmmBackend, WeightGather, jnp.dtype]
 
 
 def _gathered_gmm_fwd(
-    s: _GatheredStatic,
-    lhs: jax.Array,
-    w: jax.Array,
-    group_sizes: jax.Array,
-    group_offset: jax.Array,
-) -> tuple[jax.Array, _Res]:
+    s: _GatheredStatic, lhs: Array, w: Array, group_sizes: Array, call: GmmCall
+) -> tuple[Array, _Res]:
+    be, gather, _ = s
     # The slice travels in the compute dtype (bf16 on the wire, not the f32 master weights).
-    full = all_gather_dims(narrow(w, lhs.dtype), s.gather)
-    out = s.be.gmm(
-        lhs,
-        full,
-        group_sizes,
-        preferred_element_type=s.pet,
-        transpose_rhs=s.transpose_rhs,
-        group_offset=group_offset,
-        tiling=s.tiling,
-    )
+    full = all_gather_dims(narrow(w, lhs.dtype), gather.dims)
+    out = be.gmm(lhs, full, group_sizes, call)
     # Keeping `full` holds one gathered weight per gmm from the forward (under remat: the
     # recomputed forward) to its backward, and XLA starts the next layer's gathers early, so
     # several are live at once; `regather` keeps only this shard's slice instead.
-    return out, (lhs, w if s.regather else full, group_sizes, group_offset)
+    return out, (lhs, w if gather.regather else full, group_sizes, call)
 
 
-def _gathered_gmm_bwd(s: _GatheredStatic, res: _Res, dout: jax.Array) -> _Grads:
-    lhs, kept, group_sizes, group_offset = res
-    if s.regather:
+def _gathered_gmm_bwd(s: _GatheredStatic, res: _Res, dout: Array) -> _Grads:
+    be, gather, w_dtype = s
+    lhs, kept, group_sizes, call = res
+    if gather.regather:
         # The barrier ties the gather to the backward (it needs dout) and keeps XLA from
         # merging it with the forward's identical gather, which would keep that copy alive.
         w, dout = optimization_barrier((kept, dout))
-        full = all_gather_dims(narrow(w, lhs.dtype), s.gather)
+        full = all_gather_dims(narrow(w, lhs.dtype), gather.dims)
     else:
         full = kept
-    dlhs = s.be.gmm(
-        dout,
-        full,
-        group_sizes,
-        preferred_element_type=lhs.dtype,
-        transpose_rhs=not s.transpose_rhs,
-        group_offset=group_offset,
-        tiling=s.tiling,
-    )
-    a, b = (dout, lhs) if s.transpose_rhs else (lhs, dout)
+    dlhs = be.gmm(dout, full, group_sizes, dlhs_call(call, lhs.dtype))
+    a, b = (dout, lhs) if call.transpose_rhs else (lhs, dout)
+    # As gmm_backward: the gradient of the gathered weight in its (compute) dtype.
+    drhs_call = tgmm_call(call, full.shape[0], full.dtype)
 
-    def drhs(a_cols: jax.Array, b_cols: jax.Array) -> jax.Array:
-        # As _gmm_bwd: the gradient of the gathered weight in its (compute) dtype.
-        return s.be.tgmm(
-            a_cols,
-            b_cols,
-            group_sizes,
-            num_groups=full.shape[0],
-            preferred_element_type=full.dtype,
-            group_offset=group_offset,
-            tiling=s.tiling,
-        )
+    def drhs(a_cols: Array, b_cols: Array) -> Array:
+        return be.tgmm(a_cols, b_cols, group_sizes, drhs_call)
 
     g, k, n = full.shape
-    dw = reduce_scatter_tiled(drhs, a, b, (g, k, n), s.gather, s.reduce_dtype, s.w_dtype)
+    dw = reduce_scatter_tiled(drhs, a, b, (g, k, n), gather.dims, gather.reduce_dtype, w_dtype)
     return dlhs.astype(lhs.dtype), dw, None, None
 
 
-_gathered_gmm.defvjp(_gathered_gmm_fwd, _gathered_gmm_bwd)
+_gathered_gmm = static_vjp(_gathered_gmm_fwd, _gathered_gmm_bwd)

@@ -10,16 +10,16 @@ These loops are the definition every backend is tested against: slow, obvious, f
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from typing import ClassVar, SupportsInt
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
-from jax.typing import DTypeLike
+from jax import Array
 
-from moetext.kernels.gmm.backend import GmmBackend, TilingArg, register
+from moetext.kernels.gmm.backend import GmmBackend, GmmCall, register
 from moetext.kernels.typed_jax import ShapeDtypeStruct
 
 
@@ -85,58 +85,38 @@ class ReferenceBackend(GmmBackend):
 
     name: ClassVar[str] = "reference"
 
-    def gmm(
-        self,
-        lhs: jax.Array,
-        rhs: jax.Array,
-        group_sizes: jax.Array,
-        *,
-        preferred_element_type: DTypeLike,
-        transpose_rhs: bool,
-        group_offset: jax.Array,
-        tiling: TilingArg,
-    ) -> jax.Array:
-        del tiling
-        n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-        pet = jnp.dtype(preferred_element_type)
+    def gmm(self, lhs: Array, rhs: Array, group_sizes: Array, call: GmmCall) -> Array:
+        n = rhs.shape[1] if call.transpose_rhs else rhs.shape[2]
+        oracle = functools.partial(gmm_reference, transpose_rhs=call.transpose_rhs)
+        return _on_host(oracle, (lhs.shape[0], n), call, lhs, rhs, group_sizes)
 
-        def host(
-            lhs: np.ndarray, rhs: np.ndarray, group_sizes: np.ndarray, group_offset: np.ndarray
-        ) -> np.ndarray:
-            out = gmm_reference(
-                lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, group_offset=group_offset
-            )
-            return out.astype(pet)
+    def tgmm(self, lhs: Array, rhs: Array, group_sizes: Array, call: GmmCall) -> Array:
+        g = call.local_groups
+        oracle = functools.partial(tgmm_reference, num_groups=g)
+        return _on_host(oracle, (g, lhs.shape[1], rhs.shape[1]), call, lhs, rhs, group_sizes)
 
-        shape = ShapeDtypeStruct((lhs.shape[0], n), pet)
-        out: jax.Array = jax.pure_callback(host, shape, lhs, rhs, group_sizes, group_offset)
-        return out
 
-    def tgmm(
-        self,
-        lhs: jax.Array,
-        rhs: jax.Array,
-        group_sizes: jax.Array,
-        *,
-        num_groups: int,
-        preferred_element_type: DTypeLike,
-        group_offset: jax.Array,
-        tiling: TilingArg,
-    ) -> jax.Array:
-        del tiling
-        pet = jnp.dtype(preferred_element_type)
+def _on_host(
+    oracle: Callable[..., npt.NDArray[np.float64]],
+    shape: tuple[int, ...],
+    call: GmmCall,
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+) -> jax.Array:
+    """oracle(lhs, rhs, group_sizes, group_offset=...) through jax.pure_callback, cast to
+    call.out_dtype."""
+    pet = call.out_dtype
 
-        def host(
-            lhs: np.ndarray, rhs: np.ndarray, group_sizes: np.ndarray, group_offset: np.ndarray
-        ) -> np.ndarray:
-            out = tgmm_reference(
-                lhs, rhs, group_sizes, num_groups=num_groups, group_offset=group_offset
-            )
-            return out.astype(pet)
+    def host(
+        lhs: np.ndarray, rhs: np.ndarray, group_sizes: np.ndarray, group_offset: np.ndarray
+    ) -> np.ndarray:
+        return oracle(lhs, rhs, group_sizes, group_offset=group_offset).astype(pet)
 
-        shape = ShapeDtypeStruct((num_groups, lhs.shape[1], rhs.shape[1]), pet)
-        out: jax.Array = jax.pure_callback(host, shape, lhs, rhs, group_sizes, group_offset)
-        return out
+    out: jax.Array = jax.pure_callback(
+        host, ShapeDtypeStruct(shape, pet), lhs, rhs, group_sizes, call.group_offset
+    )
+    return out
 
 
 register("reference", ReferenceBackend)

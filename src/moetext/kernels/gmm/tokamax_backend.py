@@ -12,13 +12,11 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-import jax
-import jax.numpy as jnp
 import tokamax  # raises ImportError when absent; the package __init__ then skips this module
-from jax.typing import DTypeLike
+from jax import Array
 
-from moetext.kernels.gmm.backend import TilingArg, register
-from moetext.kernels.gmm.ragged_dot import RaggedDotBackend, local_window
+from moetext.kernels.gmm.backend import GmmCall, register
+from moetext.kernels.gmm.ragged_dot import RaggedDotBackend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,24 +25,8 @@ class TokamaxBackend(RaggedDotBackend):
 
     name: ClassVar[str] = "tokamax"
 
-    def gmm(
-        self,
-        lhs: jax.Array,
-        rhs: jax.Array,
-        group_sizes: jax.Array,
-        *,
-        preferred_element_type: DTypeLike,
-        transpose_rhs: bool,
-        group_offset: jax.Array,
-        tiling: TilingArg,
-    ) -> jax.Array:
-        del tiling
-        sizes, mask = local_window(group_sizes, group_offset, rhs.shape[0], lhs.shape[0])
-        if transpose_rhs:
-            rhs = jnp.swapaxes(rhs, 1, 2)
-        lhs = jnp.where(mask[:, None], lhs, jnp.zeros((), lhs.dtype))
-        out = tokamax.ragged_dot(lhs, rhs, sizes, preferred_element_type=preferred_element_type)
-        return jnp.where(mask[:, None], out, jnp.zeros((), out.dtype))
+    def gmm(self, lhs: Array, rhs: Array, group_sizes: Array, call: GmmCall) -> Array:
+        return self._masked_gmm(tokamax.ragged_dot, lhs, rhs, group_sizes, call)
 
 
 register("tokamax", TokamaxBackend)

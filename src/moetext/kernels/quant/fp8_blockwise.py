@@ -6,33 +6,37 @@ Legend: M rows (sorted by group), K contraction, N outputs, L local groups, bs b
     out = op(lhs, rhs, group_sizes)                     # FP8 forward, FP8 residuals
 
 Operands are quantized per 1 x bs block (DeepSeek-V3 style fine-grained scaling). How the FP8
-operands get multiplied depends on the backend: one whose `scaled_kernels()` hook returns fused
-kernels (pallas_tpu: gmm_fp8 / tgmm_fp8) runs them; any other multiplies the dequantized
-operands with its own gmm / tgmm in `emulation_dtype` (fp8/scaled_kernels.py:
-`DequantizedKernels`), which gives the same FP8-rounded numbers. No backend knows about FP8.
+operands get multiplied depends on the backend: one with fused kernels registered in
+quant/scaled_kernels.py (pallas_tpu: gmm_fp8 / tgmm_fp8) runs them; any other multiplies the
+dequantized operands with its own gmm / tgmm in `emulation_dtype` (`DequantizedKernels`, same
+file), which gives the same FP8-rounded numbers. No backend knows about FP8.
 
 Autodiff: the forward keeps lhs as FP8 values + scales (in the orientation the backward needs),
 never a high-precision copy; the backward quantizes the output gradient when `bwd_quantize`
-says so. Under `qag` a sharded weight slice crosses the wire as FP8 (kernels/fp8/qag.py).
+says so. Under `qag` a sharded weight slice crosses the wire as FP8 (kernels/quant/qag.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import Array
 from jax.typing import DTypeLike
 
-from moetext.kernels.fp8.qag import quantized_all_gather
-from moetext.kernels.fp8.quantize import DualQuantized, Quantized
-from moetext.kernels.fp8.scaled_kernels import DequantizedKernels
-from moetext.kernels.gmm.backend import GmmBackend, ScaledKernels, TilingArg
-from moetext.kernels.gmm.gather import Gather, narrow, reduce_scatter_tiled
-from moetext.kernels.gmm.recipe import Recipe
+from moetext.kernels.gmm.backend import GmmBackend, GmmCall
+from moetext.kernels.gmm.gather import WeightGather, narrow, reduce_scatter_tiled
+from moetext.kernels.gmm.recipe import Recipe, dlhs_call, static_vjp, tgmm_backward, tgmm_call
+from moetext.kernels.quant.fp8_quantize import DualQuantized, Quantized
+from moetext.kernels.quant.qag import quantized_all_gather
+from moetext.kernels.quant.scaled_kernels import (
+    DequantizedKernels,
+    ScaledKernels,
+    scaled_kernels_for,
+)
 from moetext.kernels.typed_jax import optimization_barrier
 
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
@@ -63,7 +67,7 @@ class Fp8Blockwise(Recipe):
       Activations (lhs) are always kept as FP8 values plus scales.
     qag: quantized all-gather. When gmm gets a sharded weight slice (`rhs_gather`, inside
       shard_map), each shard quantizes its slice and the all-gather moves FP8 values plus
-      block amaxes instead of compute-dtype weights (kernels/fp8/qag.py); the gradient is
+      block amaxes instead of compute-dtype weights (kernels/quant/qag.py); the gradient is
       computed and reduce-scattered back a column tile at a time (gather.reduce_scatter_tiled,
       as the bf16 path), so no layer holds a whole gathered weight gradient. The gathered FP8
       weight is what the backward keeps. False gathers in the compute dtype and quantizes the
@@ -122,7 +126,7 @@ class Fp8Blockwise(Recipe):
 
     def bind(self, backend: GmmBackend) -> Fp8Ops:
         """This recipe on `backend`: its fused scaled kernels, or the dequantizing emulation."""
-        native = backend.scaled_kernels()
+        native = scaled_kernels_for(backend)
         kernels = (
             native if native is not None else DequantizedKernels(backend, self.emulation_dtype)
         )
@@ -132,97 +136,31 @@ class Fp8Blockwise(Recipe):
     # --- Recipe ----------------------------------------------------------------------------------
 
     def gmm(
-        self,
-        backend: GmmBackend,
-        lhs: jax.Array,
-        rhs: jax.Array,
-        group_sizes: jax.Array,
-        *,
-        preferred_element_type: DTypeLike,
-        transpose_rhs: bool,
-        group_offset: jax.Array,
-        tiling: TilingArg,
-    ) -> jax.Array:
-        static = _GmmStatic(
-            self.bind(backend),
-            jnp.dtype(preferred_element_type),
-            bool(transpose_rhs),
-            tiling,
-            jnp.dtype(lhs.dtype),
-            jnp.dtype(rhs.dtype),
-        )
-        return _qgmm(static, lhs, rhs, group_sizes, group_offset)
+        self, backend: GmmBackend, lhs: Array, rhs: Array, sizes: Array, call: GmmCall
+    ) -> Array:
+        return _qgmm(self._static(backend, lhs, rhs), lhs, rhs, sizes, call)
 
     def tgmm(
-        self,
-        backend: GmmBackend,
-        lhs: jax.Array,
-        rhs: jax.Array,
-        group_sizes: jax.Array,
-        *,
-        num_groups: int,
-        preferred_element_type: DTypeLike,
-        group_offset: jax.Array,
-        tiling: TilingArg,
-    ) -> jax.Array:
-        static = _TgmmStatic(
-            self.bind(backend),
-            jnp.dtype(preferred_element_type),
-            int(num_groups),
-            tiling,
-            jnp.dtype(lhs.dtype),
-            jnp.dtype(rhs.dtype),
-        )
-        return _qtgmm(static, lhs, rhs, group_sizes, group_offset)
+        self, backend: GmmBackend, lhs: Array, rhs: Array, sizes: Array, call: GmmCall
+    ) -> Array:
+        return _qtgmm(self._static(backend, lhs, rhs), lhs, rhs, sizes, call)
 
     def gathered_gmm(
         self,
         backend: GmmBackend,
-        lhs: jax.Array,
-        rhs: jax.Array,
-        group_sizes: jax.Array,
-        *,
-        gather: Gather,
-        grad_reduce_dtype: DTypeLike | None,
-        preferred_element_type: DTypeLike,
-        transpose_rhs: bool,
-        group_offset: jax.Array,
-        tiling: TilingArg,
-        regather: bool = False,
-    ) -> jax.Array:
+        lhs: Array,
+        rhs: Array,
+        group_sizes: Array,
+        call: GmmCall,
+        gather: WeightGather,
+    ) -> Array:
         """QAG when the recipe asks (FP8 on the wire), else the compute-dtype all-gather.
-        regather (gathering again in the backward) is not implemented: a ValueError."""
-        if regather:
-            raise ValueError(
-                "regather_weights is not implemented by the 'fp8_blockwise' recipe's gathered "
-                "gmm; it is by quantization 'none'"
-            )
-        if not self.qag:
-            return super().gathered_gmm(
-                backend,
-                lhs,
-                rhs,
-                group_sizes,
-                gather=gather,
-                grad_reduce_dtype=grad_reduce_dtype,
-                preferred_element_type=preferred_element_type,
-                transpose_rhs=transpose_rhs,
-                group_offset=group_offset,
-                tiling=tiling,
-            )
-        static = _QagStatic(
-            _GmmStatic(
-                self.bind(backend),
-                jnp.dtype(preferred_element_type),
-                bool(transpose_rhs),
-                tiling,
-                jnp.dtype(lhs.dtype),
-                jnp.dtype(rhs.dtype),
-            ),
-            gather,
-            None if grad_reduce_dtype is None else jnp.dtype(grad_reduce_dtype),
-        )
-        return _qag_gmm(static, lhs, rhs, group_sizes, group_offset)
+        gather.regather (gathering again in the backward) is not implemented: the default
+        raises a ValueError naming this recipe."""
+        if gather.regather or not self.qag:
+            return super().gathered_gmm(backend, lhs, rhs, group_sizes, call, gather)
+        static = _QagStatic(self._static(backend, lhs, rhs), gather)
+        return _qag_gmm(static, lhs, rhs, group_sizes, call)
 
     def store_residual(self, backend: GmmBackend, x: jax.Array) -> Quantized:
         """FP8 values + scales in blocks along the last axis, like the gmm's own activations."""
@@ -231,6 +169,9 @@ class Fp8Blockwise(Recipe):
     def load_residual(self, stored: Any, dtype: DTypeLike) -> jax.Array:
         q: Quantized = stored
         return q.dequantize(dtype)
+
+    def _static(self, backend: GmmBackend, lhs: jax.Array, rhs: jax.Array) -> _Static:
+        return _Static(self.bind(backend), jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,68 +195,42 @@ class Fp8Ops:
         return self.quantize(rhs, None if self.recipe.tiled_weights else contract_axis)
 
 
-class _GmmStatic(NamedTuple):
-    ops: Fp8Ops
-    pet: jnp.dtype
-    transpose_rhs: bool
-    tiling: TilingArg
-    lhs_dtype: jnp.dtype
-    rhs_dtype: jnp.dtype
+class _Static(NamedTuple):
+    """The custom_vjps' static argument; the per-call options travel in their GmmCall."""
 
-
-class _TgmmStatic(NamedTuple):
     ops: Fp8Ops
-    pet: jnp.dtype
-    num_groups: int
-    tiling: TilingArg
     lhs_dtype: jnp.dtype
     rhs_dtype: jnp.dtype
 
 
 class _QagStatic(NamedTuple):
-    gmm: _GmmStatic
-    gather: Gather
-    reduce_dtype: jnp.dtype | None
+    gmm: _Static
+    gather: WeightGather
 
 
-_Res = tuple[Quantized, Any, jax.Array, jax.Array]  # lhs, rhs (array or Quantized), sizes, offset
+_Res = tuple[Quantized, Any, jax.Array, GmmCall]  # lhs, rhs (array or Quantized), sizes, call
 
 
 # --- gmm: out = lhs @ rhs[g] -------------------------------------------------------------------
 
 
 def _forward(
-    s: _GmmStatic, lhs: jax.Array, rq: Quantized, group_sizes: jax.Array, group_offset: jax.Array
+    s: _Static, lhs: jax.Array, rq: Quantized, group_sizes: jax.Array, call: GmmCall
 ) -> tuple[jax.Array, Quantized]:
     """out = lhs @ rq[g] on FP8 operands, and lhs as the backward keeps it."""
     lrow = s.ops.quantize(lhs, 1)
-    out = s.ops.kernels.gmm(
-        lrow,
-        rq,
-        group_sizes,
-        preferred_element_type=s.pet,
-        transpose_rhs=s.transpose_rhs,
-        group_offset=group_offset,
-        tiling=s.tiling,
-    )
+    out = s.ops.kernels.gmm(lrow, rq, group_sizes, call)
     # drhs = tgmm(lhs, dout) reduces over M, so a quantized backward wants lhs blocked along M;
     # a high-precision one only dequantizes it and reuses the forward's quantization.
     return out, (s.ops.quantize(lhs, 0) if s.ops.bwd_quantize else lrow)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _qgmm(
-    s: _GmmStatic, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: jax.Array
-) -> jax.Array:
-    return _qgmm_fwd(s, lhs, rhs, group_sizes, group_offset)[0]
-
-
 def _qgmm_fwd(
-    s: _GmmStatic, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: jax.Array
+    s: _Static, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, call: GmmCall
 ) -> tuple[jax.Array, _Res]:
-    contract = 2 if s.transpose_rhs else 1
+    contract = 2 if call.transpose_rhs else 1
     rq = s.ops.quantize_rhs(rhs, contract)
-    out, lhs_res = _forward(s, lhs, rq, group_sizes, group_offset)
+    out, lhs_res = _forward(s, lhs, rq, group_sizes, call)
     rhs_res: jax.Array | Quantized
     if s.ops.recipe.save_rhs == "input":
         rhs_res = rhs
@@ -323,27 +238,26 @@ def _qgmm_fwd(
         rhs_res = rq
     else:  # the backward contracts N: the other orientation, from the high-precision weights
         rhs_res = s.ops.quantize_rhs(rhs, 3 - contract)
-    return out, (lhs_res, rhs_res, group_sizes, group_offset)
+    return out, (lhs_res, rhs_res, group_sizes, call)
 
 
-def _qgmm_bwd(s: _GmmStatic, res: _Res, dout: jax.Array) -> tuple[Any, ...]:
+def _qgmm_bwd(s: _Static, res: _Res, dout: jax.Array) -> tuple[Any, ...]:
     dlhs, drhs_of, a, b = _bwd_parts(s, res, dout)
     return dlhs, drhs_of(a, b), None, None
 
 
 def _bwd_parts(
-    s: _GmmStatic, res: _Res, dout: jax.Array
+    s: _Static, res: _Res, dout: jax.Array
 ) -> tuple[jax.Array, Callable[[Any, Any], jax.Array], Any, Any]:
     """(dlhs, drhs_of, a, b): the lhs gradient, and the weight gradient as drhs_of(a, b) on
     operands [M, K'] and [M, N'] (columns of a, b give those columns of drhs: QAG's backward
     computes it a column tile at a time). Quantized operands are blocked along M."""
-    lhs_res, rhs_res, group_sizes, group_offset = res
+    lhs_res, rhs_res, group_sizes, call = res
     ops, pet_l, pet_r = s.ops, s.lhs_dtype, s.rhs_dtype
     # Tie the weights to dout so their backward quantization stays in the backward: else XLA
     # fuses it with the forward one (same operand) and keeps it alive across the forward pass.
     rhs_res, dout = optimization_barrier((rhs_res, dout))
     num_local = rhs_res.value.shape[0] if isinstance(rhs_res, Quantized) else rhs_res.shape[0]
-    common: dict[str, Any] = dict(group_offset=group_offset, tiling=s.tiling)
     a: Any  # the weight gradient's operands: Quantized (blocked along M) or arrays
     b: Any
     tgmm: Callable[..., jax.Array]
@@ -353,76 +267,54 @@ def _bwd_parts(
         rq = (
             rhs_res
             if isinstance(rhs_res, Quantized)
-            else ops.quantize_rhs(rhs_res, 1 if s.transpose_rhs else 2)
+            else ops.quantize_rhs(rhs_res, 1 if call.transpose_rhs else 2)
         )
-        dlhs = ops.kernels.gmm(
-            d.rowwise,
-            rq,
-            group_sizes,
-            preferred_element_type=pet_l,
-            transpose_rhs=not s.transpose_rhs,
-            **common,
-        )
-        a, b = (d.colwise, lhs_res) if s.transpose_rhs else (lhs_res, d.colwise)
+        dlhs = ops.kernels.gmm(d.rowwise, rq, group_sizes, dlhs_call(call, pet_l))
+        a, b = (d.colwise, lhs_res) if call.transpose_rhs else (lhs_res, d.colwise)
         tgmm = ops.kernels.tgmm
     else:
         be = ops.backend
         lhs = lhs_res.dequantize(pet_l)
         rhs = rhs_res.dequantize(pet_r) if isinstance(rhs_res, Quantized) else rhs_res
         dout = dout.astype(pet_l)
-        dlhs = be.gmm(
-            dout,
-            rhs,
-            group_sizes,
-            preferred_element_type=pet_l,
-            transpose_rhs=not s.transpose_rhs,
-            **common,
-        )
-        a, b = (dout, lhs) if s.transpose_rhs else (lhs, dout)
+        dlhs = be.gmm(dout, rhs, group_sizes, dlhs_call(call, pet_l))
+        a, b = (dout, lhs) if call.transpose_rhs else (lhs, dout)
         tgmm = be.tgmm
+    drhs_call = tgmm_call(call, num_local, pet_r)
 
     def drhs_of(a: Any, b: Any) -> jax.Array:
-        return tgmm(
-            a, b, group_sizes, num_groups=num_local, preferred_element_type=pet_r, **common
-        ).astype(pet_r)
+        return tgmm(a, b, group_sizes, drhs_call).astype(pet_r)
 
     return dlhs.astype(pet_l), drhs_of, a, b
 
 
-_qgmm.defvjp(_qgmm_fwd, _qgmm_bwd)
+_qgmm = static_vjp(_qgmm_fwd, _qgmm_bwd)
 
 
 # --- QAG: out = lhs @ all_gather(rhs slice)[g], the slice all-gathered as FP8 ------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _qag_gmm(
-    s: _QagStatic, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: jax.Array
-) -> jax.Array:
-    return _qag_gmm_fwd(s, lhs, rhs, group_sizes, group_offset)[0]
-
-
 def _qag_gmm_fwd(
-    s: _QagStatic, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: jax.Array
+    s: _QagStatic, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, call: GmmCall
 ) -> tuple[jax.Array, _Res]:
     g, r = s.gmm, s.gmm.ops.recipe
-    contract = 2 if g.transpose_rhs else 1
+    contract = 2 if call.transpose_rhs else 1
     # The slice in the compute dtype, as the plain path gathers it: same FP8 numbers.
     rq = quantized_all_gather(
         narrow(rhs, g.lhs_dtype),  # cast per layer, not hoisted out of the scan (gather.py)
-        s.gather,
+        s.gather.dims,
         axis=None if r.tiled_weights else contract,
         block_size=r.block_size,
         dtype=r.fwd_dtype,
     )
-    out, lhs_res = _forward(g, lhs, rq, group_sizes, group_offset)
+    out, lhs_res = _forward(g, lhs, rq, group_sizes, call)
     rhs_res = rq
     if g.ops.bwd_quantize and not r.tiled_weights:
         # The FP8 backward contracts N and wants blocks along it; the high-precision gathered
         # weight never exists under QAG, so re-block the dequantized FP8 one (a second rounding,
         # docs/kernels.md). Tiled weights (bs x bs) serve both orientations and avoid it.
         rhs_res = g.ops.quantize_rhs(rq.dequantize(g.lhs_dtype), 3 - contract)
-    return out, (lhs_res, rhs_res, group_sizes, group_offset)
+    return out, (lhs_res, rhs_res, group_sizes, call)
 
 
 def _qag_gmm_bwd(s: _QagStatic, res: _Res, dout: jax.Array) -> tuple[Any, ...]:
@@ -436,65 +328,37 @@ def _qag_gmm_bwd(s: _QagStatic, res: _Res, dout: jax.Array) -> tuple[Any, ...]:
     assert all(x.axis == 0 for x in (a, b) if isinstance(x, Quantized))
     kept = res[1]  # the gathered weight as kept (FP8): drhs has its shape
     g, k, n = kept.value.shape if isinstance(kept, Quantized) else kept.shape
-    dw = reduce_scatter_tiled(drhs_of, a, b, (g, k, n), s.gather, s.reduce_dtype, s.gmm.rhs_dtype)
+    gather = s.gather
+    dw = reduce_scatter_tiled(
+        drhs_of, a, b, (g, k, n), gather.dims, gather.reduce_dtype, s.gmm.rhs_dtype
+    )
     return dlhs, dw, None, None
 
 
-_qag_gmm.defvjp(_qag_gmm_fwd, _qag_gmm_bwd)
+_qag_gmm = static_vjp(_qag_gmm_fwd, _qag_gmm_bwd)
 
 
 # --- tgmm: out[g] = lhs[rows of g].T @ rhs[rows of g] ------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _qtgmm(
-    s: _TgmmStatic, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: jax.Array
-) -> jax.Array:
-    return _qtgmm_fwd(s, lhs, rhs, group_sizes, group_offset)[0]
+_TRes = tuple[Quantized, Quantized, jax.Array, GmmCall]
 
 
 def _qtgmm_fwd(
-    s: _TgmmStatic, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: jax.Array
-) -> tuple[jax.Array, tuple[Quantized, Quantized, jax.Array, jax.Array]]:
+    s: _Static, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, call: GmmCall
+) -> tuple[jax.Array, _TRes]:
     lq, rq = s.ops.quantize(lhs, 0), s.ops.quantize(rhs, 0)
-    out = s.ops.kernels.tgmm(
-        lq,
-        rq,
-        group_sizes,
-        num_groups=s.num_groups,
-        preferred_element_type=s.pet,
-        group_offset=group_offset,
-        tiling=s.tiling,
-    )
-    return out, (lq, rq, group_sizes, group_offset)
+    out = s.ops.kernels.tgmm(lq, rq, group_sizes, call)
+    return out, (lq, rq, group_sizes, call)
 
 
-def _qtgmm_bwd(
-    s: _TgmmStatic, res: tuple[Quantized, Quantized, jax.Array, jax.Array], dout: jax.Array
-) -> tuple[Any, ...]:
+def _qtgmm_bwd(s: _Static, res: _TRes, dout: jax.Array) -> tuple[Any, ...]:
     # tgmm is itself the weight gradient of gmm; its own gradient (second order) runs at the
     # input precision on the dequantized FP8 residuals.
-    lq, rq, group_sizes, group_offset = res
-    pet_l, pet_r, be = s.lhs_dtype, s.rhs_dtype, s.ops.backend
-    lhs, rhs = lq.dequantize(pet_l), rq.dequantize(pet_r)
-    common: dict[str, Any] = dict(group_offset=group_offset, tiling=s.tiling)
-    dlhs = be.gmm(
-        rhs,
-        dout.astype(pet_r),
-        group_sizes,
-        preferred_element_type=pet_l,
-        transpose_rhs=True,
-        **common,
-    )
-    drhs = be.gmm(
-        lhs,
-        dout.astype(pet_l),
-        group_sizes,
-        preferred_element_type=pet_r,
-        transpose_rhs=False,
-        **common,
-    )
-    return dlhs.astype(pet_l), drhs.astype(pet_r), None, None
+    lq, rq, group_sizes, call = res
+    lhs, rhs = lq.dequantize(s.lhs_dtype), rq.dequantize(s.rhs_dtype)
+    grads = tgmm_backward(s.ops.backend, lhs, rhs, group_sizes, call, dout, cast_dout=True)
+    return (*grads, None, None)
 
 
-_qtgmm.defvjp(_qtgmm_fwd, _qtgmm_bwd)
+_qtgmm = static_vjp(_qtgmm_fwd, _qtgmm_bwd)

@@ -29,16 +29,16 @@ and activations kept outside a gmm (the SwiGLU inputs) are stored the same way.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, ClassVar, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
+from jax import Array
 from jax.typing import DTypeLike
 
-from moetext.kernels.fp8.quantize import quantize_tensorwise
-from moetext.kernels.gmm.backend import GmmBackend, TilingArg
-from moetext.kernels.gmm.recipe import Recipe
+from moetext.kernels.gmm.backend import GmmBackend, GmmCall
+from moetext.kernels.gmm.recipe import Recipe, dlhs_call, static_vjp, tgmm_backward, tgmm_call
+from moetext.kernels.quant.fp8_quantize import quantize_tensorwise
 
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
 
@@ -68,50 +68,17 @@ class Fp8Tensorwise(Recipe):
             object.__setattr__(self, field, name)
 
     def gmm(
-        self,
-        backend: GmmBackend,
-        lhs: jax.Array,
-        rhs: jax.Array,
-        group_sizes: jax.Array,
-        *,
-        preferred_element_type: DTypeLike,
-        transpose_rhs: bool,
-        group_offset: jax.Array,
-        tiling: TilingArg,
-    ) -> jax.Array:
-        static = _Static(
-            self,
-            backend,
-            jnp.dtype(preferred_element_type),
-            bool(transpose_rhs),
-            tiling,
-            jnp.dtype(lhs.dtype),
-            jnp.dtype(rhs.dtype),
-        )
-        return _gmm(static, lhs, rhs, group_sizes, group_offset)
+        self, backend: GmmBackend, lhs: Array, rhs: Array, sizes: Array, call: GmmCall
+    ) -> Array:
+        return _gmm(self._static(backend, lhs, rhs), lhs, rhs, sizes, call)
 
     def tgmm(
-        self,
-        backend: GmmBackend,
-        lhs: jax.Array,
-        rhs: jax.Array,
-        group_sizes: jax.Array,
-        *,
-        num_groups: int,
-        preferred_element_type: DTypeLike,
-        group_offset: jax.Array,
-        tiling: TilingArg,
-    ) -> jax.Array:
-        static = _TStatic(
-            self,
-            backend,
-            jnp.dtype(preferred_element_type),
-            int(num_groups),
-            tiling,
-            jnp.dtype(lhs.dtype),
-            jnp.dtype(rhs.dtype),
-        )
-        return _tgmm(static, lhs, rhs, group_sizes, group_offset)
+        self, backend: GmmBackend, lhs: Array, rhs: Array, sizes: Array, call: GmmCall
+    ) -> Array:
+        return _tgmm(self._static(backend, lhs, rhs), lhs, rhs, sizes, call)
+
+    def _static(self, backend: GmmBackend, lhs: jax.Array, rhs: jax.Array) -> _Static:
+        return _Static(self, backend, jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype))
 
     def store_residual(self, backend: GmmBackend, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Activations kept outside a gmm (the SwiGLU inputs) as FP8 with one scale, like the
@@ -125,21 +92,10 @@ class Fp8Tensorwise(Recipe):
 
 
 class _Static(NamedTuple):
+    """The custom_vjps' static argument; the per-call options travel in their GmmCall."""
+
     recipe: Fp8Tensorwise
     backend: GmmBackend
-    pet: jnp.dtype
-    transpose_rhs: bool
-    tiling: TilingArg
-    lhs_dtype: jnp.dtype
-    rhs_dtype: jnp.dtype
-
-
-class _TStatic(NamedTuple):
-    recipe: Fp8Tensorwise
-    backend: GmmBackend
-    pet: jnp.dtype
-    num_groups: int
-    tiling: TilingArg
     lhs_dtype: jnp.dtype
     rhs_dtype: jnp.dtype
 
@@ -156,109 +112,58 @@ def _row_scale(
 
 # --- gmm ---------------------------------------------------------------------------------------
 
-# lhs_q, s_lhs [1, 1], rhs_q, s_rhs [L, 1, 1], group_sizes, group_offset
-_Res = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _gmm(
-    s: _Static, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: jax.Array
-) -> jax.Array:
-    return _gmm_fwd(s, lhs, rhs, group_sizes, group_offset)[0]
+# lhs_q, s_lhs [1, 1], rhs_q, s_rhs [L, 1, 1], group_sizes, call
+_Res = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, GmmCall]
+_F32 = jnp.dtype(jnp.float32)
 
 
 def _gmm_fwd(
-    s: _Static, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: jax.Array
+    s: _Static, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, call: GmmCall
 ) -> tuple[jax.Array, _Res]:
     xq, sx = quantize_tensorwise(lhs, dtype=s.recipe.fwd_dtype)
     wq, sw = quantize_tensorwise(rhs, axes=(1, 2), dtype=s.recipe.fwd_dtype)
-    acc = s.backend.gmm(
-        xq,
-        wq,
-        group_sizes,
-        preferred_element_type=jnp.dtype(jnp.float32),
-        transpose_rhs=s.transpose_rhs,
-        group_offset=group_offset,
-        tiling=s.tiling,
-    )
-    out = acc * (sx * _row_scale(sw, group_sizes, group_offset, acc.shape[0]))
-    return out.astype(s.pet), (xq, sx, wq, sw, group_sizes, group_offset)
+    acc = s.backend.gmm(xq, wq, group_sizes, call.replace(out_dtype=_F32))
+    out = acc * (sx * _row_scale(sw, group_sizes, call.group_offset, acc.shape[0]))
+    return out.astype(call.out_dtype), (xq, sx, wq, sw, group_sizes, call)
 
 
 def _gmm_bwd(s: _Static, res: _Res, dout: jax.Array) -> tuple[Any, ...]:
-    xq, sx, wq, sw, group_sizes, group_offset = res
+    xq, sx, wq, sw, group_sizes, call = res
     dq, sd = quantize_tensorwise(dout, dtype=s.recipe.grad_dtype)
-    f32 = jnp.dtype(jnp.float32)
-    common: dict[str, Any] = dict(group_offset=group_offset, tiling=s.tiling)
-    dlhs = s.backend.gmm(
-        dq, wq, group_sizes, preferred_element_type=f32, transpose_rhs=not s.transpose_rhs, **common
-    )
-    dlhs = dlhs * (sd * _row_scale(sw, group_sizes, group_offset, dlhs.shape[0]))
-    a, b = (dq, xq) if s.transpose_rhs else (xq, dq)
-    drhs = s.backend.tgmm(
-        a, b, group_sizes, num_groups=wq.shape[0], preferred_element_type=f32, **common
-    )
+    dlhs = s.backend.gmm(dq, wq, group_sizes, dlhs_call(call, _F32))
+    dlhs = dlhs * (sd * _row_scale(sw, group_sizes, call.group_offset, dlhs.shape[0]))
+    a, b = (dq, xq) if call.transpose_rhs else (xq, dq)
+    drhs = s.backend.tgmm(a, b, group_sizes, tgmm_call(call, wq.shape[0], _F32))
     drhs = drhs * (sx * sd)
     return dlhs.astype(s.lhs_dtype), drhs.astype(s.rhs_dtype), None, None
 
 
-_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+_gmm = static_vjp(_gmm_fwd, _gmm_bwd)
 
 
 # --- tgmm (the weight-gradient shape as a forward op) ------------------------------------------
 
-# lhs_q, s_lhs, rhs_q, s_rhs, group_sizes, group_offset
-_TRes = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _tgmm(
-    s: _TStatic, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: jax.Array
-) -> jax.Array:
-    return _tgmm_fwd(s, lhs, rhs, group_sizes, group_offset)[0]
+# lhs_q, s_lhs, rhs_q, s_rhs, group_sizes, call
+_TRes = tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, GmmCall]
 
 
 def _tgmm_fwd(
-    s: _TStatic, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, group_offset: jax.Array
+    s: _Static, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, call: GmmCall
 ) -> tuple[jax.Array, _TRes]:
     xq, sx = quantize_tensorwise(lhs, dtype=s.recipe.fwd_dtype)
     yq, sy = quantize_tensorwise(rhs, dtype=s.recipe.fwd_dtype)
-    acc = s.backend.tgmm(
-        xq,
-        yq,
-        group_sizes,
-        num_groups=s.num_groups,
-        preferred_element_type=jnp.dtype(jnp.float32),
-        group_offset=group_offset,
-        tiling=s.tiling,
-    )
-    return (acc * (sx * sy)).astype(s.pet), (xq, sx, yq, sy, group_sizes, group_offset)
+    acc = s.backend.tgmm(xq, yq, group_sizes, call.replace(out_dtype=_F32))
+    return (acc * (sx * sy)).astype(call.out_dtype), (xq, sx, yq, sy, group_sizes, call)
 
 
-def _tgmm_bwd(s: _TStatic, res: _TRes, dout: jax.Array) -> tuple[Any, ...]:
+def _tgmm_bwd(s: _Static, res: _TRes, dout: jax.Array) -> tuple[Any, ...]:
     # tgmm is itself the weight gradient of gmm; its own gradient (second order) runs at the
     # input precision on the dequantized FP8 residuals, as fp8_blockwise's does.
-    xq, sx, yq, sy, group_sizes, group_offset = res
+    xq, sx, yq, sy, group_sizes, call = res
     x = (xq.astype(jnp.float32) * sx).astype(s.lhs_dtype)
     y = (yq.astype(jnp.float32) * sy).astype(s.rhs_dtype)
-    common: dict[str, Any] = dict(group_offset=group_offset, tiling=s.tiling)
-    dlhs = s.backend.gmm(
-        y,
-        dout.astype(s.rhs_dtype),
-        group_sizes,
-        preferred_element_type=s.lhs_dtype,
-        transpose_rhs=True,
-        **common,
-    )
-    drhs = s.backend.gmm(
-        x,
-        dout.astype(s.lhs_dtype),
-        group_sizes,
-        preferred_element_type=s.rhs_dtype,
-        transpose_rhs=False,
-        **common,
-    )
-    return dlhs.astype(s.lhs_dtype), drhs.astype(s.rhs_dtype), None, None
+    grads = tgmm_backward(s.backend, x, y, group_sizes, call, dout, cast_dout=True)
+    return (*grads, None, None)
 
 
-_tgmm.defvjp(_tgmm_fwd, _tgmm_bwd)
+_tgmm = static_vjp(_tgmm_fwd, _tgmm_bwd)

@@ -7,7 +7,8 @@ Why a kernel: XLA on TPU lowers an amax over 128-lane segments of the minor dim 
 broadcast of the scale back over them) with a full-size float32 relayout copy of the input:
 2 GiB of temporaries per bf16 GiB quantized (measured on v5p AOT compiles, docs/kernels.md).
 Here each row tile is read once into VMEM, and each bs-lane slice's amax is a lane reduction
-of a (tr, bs) tile. The scale and the rounding are scaling.py's, as in quantize.py's XLA path.
+of a (tr, bs) tile. The scale and the rounding are kernels/fp8_scaling.py's, as in
+quant/fp8_quantize.py's XLA path.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.typing import DTypeLike
 
-from moetext.kernels.fp8.scaling import scale_from_amax, to_fp8
-from moetext.kernels.pallas_common import Interpret, Ref, cdiv, resolve_interpret
+from moetext.kernels.fp8_scaling import scale_from_amax, to_fp8
+from moetext.kernels.pallas.common import Interpret, Ref, cdiv, resolve_interpret
 from moetext.kernels.typed_jax import ShapeDtypeStruct
 
 _TILE_BYTES = 2 << 20  # float32 bytes of one row tile in VMEM

@@ -1,8 +1,8 @@
 """Pallas TPU tgmm on FP8 operands blocked along M (the reduction axis): tgmm_fp8.
 
 Legend: M rows (sorted by group), K, N the output dims, L local groups, T grid steps along the
-group axis (pallas_common), tm/tk/tn tiles, bs the scale block size, Mb = cdiv(M, tm) * tm /
-bs scale blocks (padded to whole row tiles). The scheme is described in pallas_fp8.py.
+group axis (common.py), tm/tk/tn tiles, bs the scale block size, Mb = cdiv(M, tm) * tm /
+bs scale blocks (padded to whole row tiles). The scheme is described in fp8_gmm.py.
 """
 
 from __future__ import annotations
@@ -15,10 +15,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.typing import ArrayLike, DTypeLike
 
-from moetext.kernels.fp8.pallas_fp8 import fp8_tiling, mxu_dtype, pick_scale
-from moetext.kernels.gmm import tiling as tiling_lib
-from moetext.kernels.gmm.backend import TilingArg
-from moetext.kernels.pallas_common import (
+from moetext.kernels.pallas import tiling as tiling_lib
+from moetext.kernels.pallas.common import (
     TGMM_DIMENSIONS,
     Interpret,
     Ref,
@@ -33,6 +31,8 @@ from moetext.kernels.pallas_common import (
     tgmm_step,
     zero_rows_outside,
 )
+from moetext.kernels.pallas.fp8_gmm import fp8_tiling, mxu_dtype, pick_scale
+from moetext.kernels.pallas.tiling import TilingArg
 from moetext.kernels.typed_jax import ShapeDtypeStruct
 
 

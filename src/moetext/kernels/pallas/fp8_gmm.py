@@ -1,8 +1,8 @@
 """Pallas TPU grouped matmuls on FP8 operands with per-block scales: gmm_fp8 (here), tgmm_fp8
-(pallas_tgmm_fp8.py), and the helpers both share.
+(fp8_tgmm.py), and the helpers both share.
 
 Legend: M rows (sorted by group), K contraction, N outputs, L local groups (group_offset ..
-group_offset + L - 1), T grid steps along the group axis (pallas_common), tm/tk/tn tiles,
+group_offset + L - 1), T grid steps along the group axis (common.py), tm/tk/tn tiles,
 bs the scale block size, nb = K / bs (gmm) or cdiv(M, bs) (tgmm) scale blocks.
 
 Scales are applied as outer products after each bs-long slice of the contraction:
@@ -19,7 +19,7 @@ A full dim is always a legal block, and no unit dim gets padded to a (8, 128) ti
 (1, tn) by a masked sum over that axis: exact, cheap next to the bs-deep matmul, and free of
 dynamic lane slicing.
 The group schedule, block specs of lhs/rhs/out, the visit/store skeleton and the zero-initialised
-aliased output are pallas_common's, shared with the bf16 pallas_tpu backend.
+aliased output are common.py's, shared with the bf16 kernels (gmm_kernels.py).
 """
 
 from __future__ import annotations
@@ -33,9 +33,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.typing import ArrayLike, DTypeLike
 
-from moetext.kernels.gmm import tiling as tiling_lib
-from moetext.kernels.gmm.backend import Tiling, TilingArg
-from moetext.kernels.pallas_common import (
+from moetext.kernels.pallas import tiling as tiling_lib
+from moetext.kernels.pallas.common import (
     GMM_DIMENSIONS,
     NUM_META,
     Interpret,
@@ -52,6 +51,7 @@ from moetext.kernels.pallas_common import (
     round_up,
     split_refs,
 )
+from moetext.kernels.pallas.tiling import Tiling, TilingArg
 from moetext.kernels.typed_jax import ShapeDtypeStruct
 
 # Chips whose MXU multiplies FP8 natively; elsewhere the tile is widened to bf16 in VMEM (exact:
@@ -129,7 +129,7 @@ def gmm_fp8(
     """[M, N] = per-group lhs @ rhs on FP8 values: lhs_q [M, K], lhs_scale [M, K/bs];
     rhs_q [L, K, N] with rhs_scale [L, K/bs, N], or [L, N, K] with [L, N, K/bs] when
     transpose_rhs. K must be a multiple of block_size: fp8_blockwise's caller,
-    `PallasFp8Kernels.gmm` (fp8/scaled_kernels.py), pads K to whole blocks with FP8 zeros. Rows
+    `PallasFp8Kernels.gmm` (quant/scaled_kernels.py), pads K to whole blocks with FP8 zeros. Rows
     outside the local groups are zero."""
     bs = int(block_size)
     (m, k), num_local = lhs_q.shape, rhs_q.shape[0]

@@ -1,4 +1,4 @@
-"""Tile sizes for the Pallas TPU grouped matmul: per-generation defaults, lookup, block rules.
+"""Tile sizes for the Pallas TPU grouped matmuls (bf16 and FP8): defaults, lookup, block rules.
 
 A tiling is (tm, tk, tn): lhs rows per tile, contraction per grid step, output columns per tile.
 Blocks: gmm lhs (tm, tk), rhs (tk, tn) [(tn, tk) with transpose_rhs], out (tm, tn);
@@ -10,14 +10,18 @@ are clamped to that dim (a block equal to the full dim is always legal on TPU).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from moetext.kernels.gmm.backend import Tiling, TilingArg
-from moetext.kernels.pallas_common import cdiv, pow2_ceil
+from moetext.kernels.pallas.common import cdiv, pow2_ceil
+
+Tiling = tuple[int, int, int]
+# Per call: fixed (tm, tk, tn), a callable (m, k, n, dtype, chip) -> tiles (a TPU table), or None
+# for each kernel's default.
+TilingArg = Tiling | Callable[..., Tiling] | None
 
 MiB = 1 << 20
 LANES = 128

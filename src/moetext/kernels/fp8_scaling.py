@@ -1,9 +1,10 @@
-"""The absmax FP8 scale rule, written once for every quantizer: the XLA paths (quantize.py,
-qag.py) and the body of the Pallas quantize kernel (quantize_pallas.py).
+"""The absmax FP8 scale rule, written once for every quantizer: the XLA paths
+(quant/fp8_quantize.py, quant/qag.py) and the body of the Pallas quantize kernel
+(pallas/quantize_kernel.py), which is why it sits below both rooms.
 
 scale = amax * float32(1 / max_finite(dtype)), at least the smallest normal float32, 1 for an
 all-zero block; q = clip(x * (1 / scale)) rounded to `dtype`. The conventions (ragged tails,
-non-finite input) are in quantize.py's docstring.
+non-finite input) are in quant/fp8_quantize.py's docstring.
 """
 
 from __future__ import annotations

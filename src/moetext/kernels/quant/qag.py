@@ -28,9 +28,10 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from moetext.kernels.fp8.quantize import E4M3, Quantized, _pad_to, cdiv
-from moetext.kernels.fp8.scaling import scale_from_amax, to_fp8
+from moetext.kernels.fp8_scaling import scale_from_amax, to_fp8
 from moetext.kernels.gmm.gather import Gather, all_gather_dims, check_gather
+from moetext.kernels.pallas.common import cdiv
+from moetext.kernels.quant.fp8_quantize import E4M3, Quantized, pad_to
 
 
 def _blocked_dims(ndim: int, axis: int | None) -> tuple[int, ...]:
@@ -39,7 +40,7 @@ def _blocked_dims(ndim: int, axis: int | None) -> tuple[int, ...]:
 
 def _sub_blocks(x: jax.Array, sub: dict[int, int]) -> tuple[jax.Array, jax.Array, tuple[int, ...]]:
     """x zero-padded and reshaped so blocked dim d becomes (count, sub[d]); the sub axes."""
-    xp = _pad_to(x, {d: cdiv(x.shape[d], sb) * sb for d, sb in sub.items()})
+    xp = pad_to(x, {d: cdiv(x.shape[d], sb) * sb for d, sb in sub.items()})
     shape: list[int] = []
     red: list[int] = []
     for d, n in enumerate(xp.shape):
@@ -78,7 +79,7 @@ def quantized_all_gather(
         r = bs // sub[d]
         if r > 1:
             nb = cdiv(amax.shape[d] * sub[d], bs)  # blocks along the gathered N
-            amax = _pad_to(amax, {d: nb * r})
+            amax = pad_to(amax, {d: nb * r})
             amax = jnp.max(amax.reshape(amax.shape[:d] + (nb, r) + amax.shape[d + 1 :]), d + 1)
     scale = scale_from_amax(amax.astype(jnp.float32), dtype)
     # 4: this slice's sub-block scales, then its FP8 values, gathered.

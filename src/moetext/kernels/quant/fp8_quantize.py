@@ -6,7 +6,7 @@ Legend: n the length of the quantized axis, bs the block size, nb = cdiv(n, bs) 
 A block is 1 x bs consecutive elements along `axis` (or bs x bs tiles, `quantize_tiles`).
 scale = amax(|block|) * float32(1 / max_finite(dtype)) in float32, qvalue = x * float32(1 /
 scale) rounded to `dtype` (nearest even, saturating), dequantize(q, s) = q * s; the rule is
-scaling.py's, shared with QAG and the Pallas quantize kernel.
+kernels/fp8_scaling.py's, shared with QAG and the Pallas quantize kernel.
 Conventions (docs/kernels.md, "Quantization recipes and FP8"):
   * ragged tail: n need not divide by bs; the last block covers the n % bs remaining elements
     (as if zero-padded, zeros never change an absmax). qvalue keeps x's shape, scale has nb.
@@ -26,10 +26,9 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from moetext.kernels.fp8.quantize_pallas import quantize_minor
-from moetext.kernels.fp8.scaling import scale_from_amax, to_fp8
-from moetext.kernels.pallas_common import Interpret
-from moetext.kernels.pallas_common import cdiv as cdiv  # re-exported: qag imports it from here
+from moetext.kernels.fp8_scaling import scale_from_amax, to_fp8
+from moetext.kernels.pallas.common import Interpret, cdiv
+from moetext.kernels.pallas.quantize_kernel import quantize_minor
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -47,7 +46,7 @@ def _check_args(x: jax.Array, axis: int, block_size: int, dtype: DTypeLike) -> i
     return axis % x.ndim
 
 
-def _pad_to(x: jax.Array, sizes: dict[int, int]) -> jax.Array:
+def pad_to(x: jax.Array, sizes: dict[int, int]) -> jax.Array:
     """Zero-pads axes up to sizes (a no-op, so no copy, when they already fit)."""
     pad = [(0, sizes.get(a, d) - d) for a, d in enumerate(x.shape)]
     return jnp.pad(x, pad) if any(hi for _, hi in pad) else x
@@ -80,8 +79,9 @@ def quantize(
     """(qvalue, scale): absmax FP8 quantization per 1 x block_size block along `axis`.
 
     qvalue has x's shape and `dtype`; scale is float32 with x's shape except nb blocks on axis.
-    impl: "xla", "pallas" (quantize_pallas, for blocks along the last axis when it divides by
-    block_size; `interpret` as in the Pallas kernels) or "auto" (pallas on TPU where it applies).
+    impl: "xla", "pallas" (pallas/quantize_kernel.py, for blocks along the last axis when it
+    divides by block_size; `interpret` as in the Pallas kernels) or "auto" (pallas on TPU where
+    it applies).
     """
     axis = _check_args(x, axis, block_size, dtype)
     if impl not in ("auto", "xla", "pallas"):
@@ -95,7 +95,7 @@ def quantize(
         # XLA on TPU relayouts a minor-dim segmented amax through a full float32 copy.
         return quantize_minor(x, block_size=bs, dtype=dtype, interpret=interpret)
     nb = cdiv(n, bs)
-    xp = _pad_to(x, {axis: nb * bs})
+    xp = pad_to(x, {axis: nb * bs})
     xb = xp.reshape(x.shape[:axis] + (nb, bs) + x.shape[axis + 1 :])
     scale = scale_from_amax(_amax(xb, axis + 1), dtype)
     q = to_fp8(xb, jnp.expand_dims(scale, axis + 1), dtype).reshape(xp.shape)
@@ -164,7 +164,7 @@ def quantize_tiles(
         _check_finite(x, "quantize_tiles")
     (r, c), bs = x.shape[-2:], int(block_size)
     rb, cb = cdiv(r, bs), cdiv(c, bs)
-    xp = _pad_to(x, {x.ndim - 2: rb * bs, x.ndim - 1: cb * bs})
+    xp = pad_to(x, {x.ndim - 2: rb * bs, x.ndim - 1: cb * bs})
     xt = xp.reshape(x.shape[:-2] + (rb, bs, cb, bs))
     scale = scale_from_amax(_amax(xt, (-3, -1)), dtype)
     q = to_fp8(xt, scale[..., :, None, :, None], dtype).reshape(xp.shape)

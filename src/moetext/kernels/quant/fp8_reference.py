@@ -3,11 +3,11 @@
 Legend: M rows (sorted by group), K contraction, N outputs, G groups (G_local = L local groups
 starting at group_offset), bs block size, nb number of blocks.
 
-These follow the definitions in scaling.py and quantize.py literally: per-block amax, scale =
-amax * float32(1 / fmax) in float32 (the stored precision), float32(x * float32(1 / scale))
-clipped to +-fmax and rounded to FP8 by ml_dtypes (round to nearest even). The matmul oracles
-multiply the dequantized operands in float64, which is what an exact FP8 dot with per-block
-scales computes.
+These follow the definitions in kernels/fp8_scaling.py and fp8_quantize.py literally: per-block
+amax, scale = amax * float32(1 / fmax) in float32 (the stored precision), float32(x *
+float32(1 / scale)) clipped to +-fmax and rounded to FP8 by ml_dtypes (round to nearest even).
+The matmul oracles multiply the dequantized operands in float64, which is what an exact FP8 dot
+with per-block scales computes.
 """
 
 from __future__ import annotations
