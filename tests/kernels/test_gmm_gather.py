@@ -35,11 +35,23 @@ def test_tiled_reduce_scatter_runs_in_several_tiles(result):
     }
 
 
-def test_tiled_weight_gradient_is_bitwise_the_one_piece_reduction(result):
+# XLA:CPU's dot (ragged_dot's weight gradient) picks its contraction blocking from the operand
+# shapes and the host's vector width: a tile of 8 columns may sum the same rows in another order
+# than all 48 at once. Bitwise on an AVX-512 host; 1.31e-7 of the largest entry on an AVX2 one
+# (2026-11-27): the bound is two float32 roundings of it.
+RAGGED_DOT_F32_TILE_ORDER = 2 * 2.0**-23
+
+
+def test_tiled_weight_gradient_is_the_one_piece_reduction(result):
     # Each gradient element is the same dot product over the same rows, reduced over the same
-    # shards in the same order: measured identical for every layout, backend and reduce dtype.
-    for key, diffs in result["tiled_vs_whole"].items():
-        assert diffs == [0.0, 0.0, 0.0], (key, diffs)
+    # shards in the same order: identical for every layout, backend and reduce dtype, except
+    # that XLA's own dot may order a tile's sum differently (above).
+    for key, (loss, dlhs, drhs) in result["tiled_vs_whole"].items():
+        assert loss == dlhs == 0.0, (key, loss, dlhs)
+        if key.endswith("/ragged_dot/param"):
+            assert drhs <= RAGGED_DOT_F32_TILE_ORDER, (key, drhs)
+        else:
+            assert drhs == 0.0, (key, drhs)
 
 
 def test_regathering_in_the_backward_is_bitwise_keeping_the_forward_copy(result):
