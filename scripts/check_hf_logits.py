@@ -333,17 +333,17 @@ def _checkpoint_logits(
     import jax
     from flax import nnx
 
+    from moetext import checkpoint, models
     from moetext import config as config_lib
-    from moetext import models
     from moetext.generate import batch_shards
     from moetext.sharding.mesh import initialize_distributed
-    from moetext.train import loop, params_from
+    from moetext.train import loop
 
     cfg = config_lib.load(config, ["model.dtype=float32", *overrides])
     check_vocab(cfg.model.vocab_size, f"{config} with the overrides", ref)
     initialize_distributed(cfg.distributed)  # before anything touches devices
     plan = loop.make_plan(cfg)
-    params = params_from.load_params(cfg, plan, str(ckpt))
+    params = checkpoint.load_params(str(ckpt), cfg, loop.params_target(cfg, plan))
     abstract = nnx.eval_shape(
         lambda: models.build(cfg.model, cfg.moe, cfg.kernels, rngs=nnx.Rngs(params=0))
     )

@@ -19,8 +19,7 @@ LAYERS: dict[str, set[str]] = {
     "sharding": {"errors", "config"},
     "optim": {"errors", "config"},
     "data": {"errors", "config"},
-    "orbax_noise": set(),
-    "checkpoint": {"errors", "config", "orbax_noise"},
+    "checkpoint": {"errors", "config"},
     "models": {"errors", "config", "kernels", "sharding"},
     "train": {
         "errors",
@@ -31,11 +30,10 @@ LAYERS: dict[str, set[str]] = {
         "data",
         "checkpoint",
         "models",
-        "orbax_noise",
     },
     "aot": {"errors", "config", "kernels", "sharding", "models", "optim", "train"},
     "convert": {"errors", "config", "models", "checkpoint"},
-    "generate": {"errors", "config", "sharding", "models", "data", "train"},
+    "generate": {"errors", "config", "sharding", "models", "data", "checkpoint", "train"},
     "plot": {"errors"},
     "cli": {"errors", "config", "sharding", "checkpoint", "train"},
 }

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from moetext.config import Config, fields
+from moetext.config import Config, ModelConfig, fields
 
 # The fields that decide a parameter's shape or meaning (loaded params must match them).
 SHAPES_PARAMS = {
@@ -117,9 +117,9 @@ def test_every_field_of_every_section_declares_its_checkpoint_rule():
     )
 
 
-def test_a_field_without_a_declaration_is_found_in_a_nested_subclass():
+def test_a_field_without_a_declaration_is_found_in_a_nested_subclass() -> None:
     @dataclasses.dataclass(frozen=True)
-    class Extra(type(Config().model)):
+    class Extra(ModelConfig):
         plain: int = 0
         declared: int = fields.shapes_params(1)
 
@@ -148,7 +148,7 @@ def test_the_declarations_are_the_rules_resume_and_params_loading_apply():
         (fields.resume_safe, "safe", False),
     ],
 )
-def test_each_helper_keeps_the_default_or_factory(maker, resume, params):
+def test_each_helper_keeps_the_default_or_factory(maker, resume, params) -> None:
     @dataclasses.dataclass(frozen=True)
     class Section:
         n: int = maker(3)

@@ -14,9 +14,9 @@ import jax  # isort: skip
 import numpy as np
 from flax import nnx
 
-from moetext import config
+from moetext import checkpoint, config
 from moetext.convert.hf import load_model
-from moetext.train import loop, params_from
+from moetext.train import loop
 
 ckpt, hf = sys.argv[1], sys.argv[2]
 cfg = config.load(
@@ -24,7 +24,7 @@ cfg = config.load(
     ["model.dtype=float32", "data.global_batch_size=4", "sharding.preset=fsdp"],
 )
 plan = loop.make_plan(cfg)
-params = params_from.load_params(cfg, plan, ckpt)
+params = checkpoint.load_params(ckpt, cfg, loop.params_target(cfg, plan))
 _, ref = load_model(hf)
 got = nnx.to_pure_dict(params)
 want = nnx.to_pure_dict(nnx.state(ref, nnx.Param))

@@ -15,6 +15,7 @@ from typing import Any
 
 from flax import nnx
 
+from moetext import checkpoint as checkpoint_lib
 from moetext import config as config_lib
 from moetext import models
 from moetext.config import Config
@@ -24,7 +25,7 @@ from moetext.generate.decode import Generated, generate_ids
 from moetext.generate.sampling import Sampling
 from moetext.models.moe.decode import prefuse_all
 from moetext.sharding.plan import Plan
-from moetext.train import loop, params_from
+from moetext.train import loop
 
 
 def batch_shards(plan: Plan) -> int:
@@ -72,7 +73,14 @@ def load(
             f"{cfg.model.vocab_size}"
         )
     plan = loop.make_plan(cfg)
-    params = params_from.load_params(cfg, plan, checkpoint)
+    family = models.get_family(cfg.model.family)
+    target = checkpoint_lib.ParamsTarget.of_model(
+        cfg,
+        lambda c: models.build(c.model, c.moe, c.kernels, rngs=nnx.Rngs(params=0)),
+        plan.shardings_for,
+        unstack_layers=family.unstack_layers,  # decoding's layout is unscanned
+    )
+    params = checkpoint_lib.load_params(checkpoint, cfg, target)
     abstract = nnx.eval_shape(
         lambda: models.build(cfg.model, cfg.moe, cfg.kernels, rngs=nnx.Rngs(params=0))
     )

@@ -25,7 +25,7 @@ from moetext.data.batch import unigram_entropy
 from moetext.models.flops import flops_per_token
 from moetext.sharding import plan as sharding_plan
 from moetext.train import metrics as metrics_lib
-from moetext.train import nonfinite, params_from, preemption, rundir
+from moetext.train import nonfinite, preemption, rundir
 from moetext.train import peak as peak_lib
 from moetext.train.profiler import StepProfiler
 from moetext.train.state import TrainState
@@ -188,6 +188,18 @@ def create_model(cfg: Config) -> nnx.Module:
     return models.build(cfg.model, cfg.moe, cfg.kernels, rngs=nnx.Rngs(params=cfg.train.seed))
 
 
+def params_target(cfg: Config, plan: sharding_plan.Plan) -> checkpoint_lib.ParamsTarget:
+    """What `checkpoint.load_params` restores onto for a run of cfg on plan."""
+    family = models.get_family(cfg.model.family)
+    return checkpoint_lib.ParamsTarget.of_model(
+        cfg,
+        create_model,
+        plan.shardings_for,
+        stack_layers=family.stack_layers,
+        unstack_layers=family.unstack_layers,
+    )
+
+
 def run(cfg: Config) -> dict[str, Any]:
     """Trains to cfg.train.steps, resuming from the newest checkpoint; returns the last metrics."""
     # Unwritable run dir: one line before anything is built or compiled.
@@ -212,7 +224,8 @@ def run(cfg: Config) -> dict[str, Any]:
         # ones take their place on every device), keep the fresh optimizer state and step 0.
         jax.tree.map(lambda x: x.delete(), state.params)
         src = cfg.checkpoint.load_params_from
-        state = dataclasses.replace(state, params=params_from.load_params(cfg, b.plan, src))
+        params = checkpoint_lib.load_params(src, cfg, params_target(cfg, b.plan))
+        state = dataclasses.replace(state, params=params)
         b.state = state
         if jax.process_index() == 0:
             print(f"params from {src}", file=sys.stderr, flush=True)
