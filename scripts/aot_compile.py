@@ -27,7 +27,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import moetext  # noqa: E402,F401,I001  (quiets libtpu's TPU probing where there is no TPU)
 from jax.errors import JaxRuntimeError  # noqa: E402
 
-from moetext import aot, config  # noqa: E402
+from moetext import aot, config, models  # noqa: E402,F401  (models: families' config sections)
 
 OPTIONS = ("topology", "json", "hlo", "dump")
 

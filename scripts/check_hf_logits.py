@@ -262,6 +262,7 @@ def _is_hf_dir(path: Path) -> bool:
 def _kernels_from(overrides: Sequence[str]) -> Any:
     """KernelsConfig from kernels.* overrides (the only ones an HF directory takes)."""
     from moetext import config as config_lib
+    from moetext import models  # noqa: F401  (the families' config sections)
 
     other = [o for o in overrides if not o.startswith("kernels.")]
     if other:

@@ -17,6 +17,7 @@ os.environ.setdefault(
 )
 
 import moetext  # noqa: E402,F401  (quiets libtpu before jax initialises)
+import moetext.models  # noqa: E402,F401  (the model families register their config sections)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))

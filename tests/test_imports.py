@@ -35,7 +35,7 @@ LAYERS: dict[str, set[str]] = {
     "convert": {"errors", "config", "models", "checkpoint"},
     "generate": {"errors", "config", "sharding", "models", "data", "checkpoint", "train"},
     "plot": {"errors"},
-    "cli": {"errors", "config", "sharding", "checkpoint", "train"},
+    "cli": {"errors", "config", "sharding", "checkpoint", "models", "train"},
 }
 
 

@@ -21,7 +21,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from moetext import config
+    # models before the config: each model family registers its config sections on import.
+    from moetext import config, models  # noqa: F401
 
     try:
         cfg = config.load(args.config, args.overrides)

@@ -214,3 +214,60 @@ def test_config_docs_are_current():
     assert (REPO / "docs/config.md").read_text() == docs.render(), (
         "docs/config.md is stale: run scripts/gen_config_docs.py"
     )
+
+
+# --- family sections: model.family decides which model/moe fields exist ----------------------
+
+
+def test_a_family_decodes_its_own_section_classes():
+    from moetext.models.qwen3_moe.config import QwenModelConfig, QwenMoEConfig
+
+    cfg = config.load(TINY, ["moe.num_shared_experts=1", "moe.shared_expert_gate=true"])
+    assert type(cfg.model) is QwenModelConfig and type(cfg.moe) is QwenMoEConfig
+    assert cfg.model.qk_norm and cfg.moe.shared_expert_gate
+    # Built in code from the shared classes, the sections become the family's (its own fields at
+    # their defaults), and a config round-trips through its dict unchanged.
+    built = Config(model=config.ModelConfig(emb_dim=64), moe=config.MoEConfig(num_experts=4))
+    assert type(built.model) is QwenModelConfig and built.model.decoder_sparse_step == 1
+    assert config.from_dict(config.to_dict(cfg)) == cfg
+
+
+def test_a_field_of_another_family_names_the_family_that_has_it(tmp_path):
+    from moetext import models
+
+    # dense reads the Qwen classes; a family registered with the shared classes reads no more.
+    plain = dataclasses.replace(
+        models.get_family("dense"),
+        name="plain_test_family",
+        model_config=config.ModelConfig,
+        moe_config=config.MoEConfig,
+    )
+    models.register_family(plain, replace=True)
+    base = tmp_path / "plain.yml"
+    base.write_text(
+        f"base_config: {REPO / 'configs/base.yml'}\nmodel: {{family: plain_test_family}}\n"
+    )
+    cfg = config.load(base)
+    assert type(cfg.model) is config.ModelConfig
+    with pytest.raises(
+        ConfigError,
+        # (families that tests register with the Qwen classes may be named after these two)
+        match=r"unknown config key 'model.qk_norm': a field of model.family dense / qwen3_moe"
+        r"( / \w+)*, not of this one \(valid keys in model: family, ",
+    ):
+        config.load(base, ["model.qk_norm=true"])
+    with pytest.raises(ConfigError, match=r"moe.shared_expert_gate.*not of this one"):
+        config.load(base, ["moe.shared_expert_gate=false"])
+    # In code: a Qwen section set off its default cannot become the plain family's.
+    qwen = config.load(TINY, ["model.qk_norm=false"])
+    with pytest.raises(ConfigError, match=r"model.qk_norm=False is not a field of "):
+        qwen.replace(model=dataclasses.replace(qwen.model, family="plain_test_family"))
+
+
+def test_an_unknown_family_names_the_registered_ones():
+    with pytest.raises(
+        ConfigError,
+        match=r"model.family='qwen3_mo' is not a registered model family \(did you mean "
+        r"'qwen3_moe'\?\); valid names: .*dense.*qwen3_moe",
+    ):
+        config.load(TINY, ["model.family=qwen3_mo"])

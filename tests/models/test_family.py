@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import yaml
 from flax import nnx
 from tiny_configs import KERNELS, TINY_MOE, tiny
 
@@ -31,6 +32,17 @@ REPO = Path(__file__).resolve().parents[2]
 TINY_YML = REPO / "configs/models/tiny-qwen3-moe.yml"
 
 
+def toy_yml(tmp_path: Path, family: str) -> Path:
+    """The tiny config for `family`: the same file without its Qwen-only fields (the test
+    families read the shared model/moe sections only)."""
+    raw = yaml.safe_load(TINY_YML.read_text())
+    raw["base_config"] = str(TINY_YML.parent / raw["base_config"])
+    raw["model"] = {k: v for k, v in raw["model"].items() if k != "qk_norm"} | {"family": family}
+    path = tmp_path / f"{family}.yml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
 # --- A toy family, defined here only: parallel attention + MoE (GPT-J / PaLM style) --------
 # x + attn(norm(x)) + moe(norm(x)) with one norm per layer, MoE in every even layer (the odd
 # layers are attention only), the LM head tied to the embedding.
@@ -44,7 +56,7 @@ class ParallelLayer(nnx.Module):
     def __init__(self, m: ModelConfig, moe: MoEConfig, gmm, *, use_moe: bool, rngs: nnx.Rngs):
         pdt = as_dtype(m.param_dtype)
         self.norm = RMSNorm(m.emb_dim, eps=m.rms_norm_eps, param_dtype=pdt, rngs=rngs)
-        self.attn = Attention(m, rngs=rngs)
+        self.attn = Attention(m, qk_norm=True, rngs=rngs)
         self.moe = (
             MoEBlock(
                 moe,
@@ -100,7 +112,7 @@ class ParallelLM(nnx.Module):
 
 def _toy_counts(m: ModelConfig, moe: MoEConfig) -> models.ParamCounts:
     d, h = m.emb_dim, m.head_dim
-    attn = d * m.num_heads * h * 2 + 2 * d * m.num_kv_heads * h + (2 * h if m.qk_norm else 0)
+    attn = d * m.num_heads * h * 2 + 2 * d * m.num_kv_heads * h + 2 * h  # q/k norms
     expert = 3 * d * moe.moe_intermediate_size
     n_moe = sum(_toy_pattern(m))
     embedding = m.vocab_size * d
@@ -185,9 +197,8 @@ def test_declared_counts_and_logical_axes_are_the_built_models(m, unused):
 
 def test_a_family_defined_in_a_test_trains_through_the_real_loop(tmp_path):
     cfg = config.load(
-        TINY_YML,
+        toy_yml(tmp_path, "toy_parallel"),
         [
-            "model.family=toy_parallel",
             "model.num_layers=3",
             "data.kind=synthetic",
             "train.steps=40",
@@ -196,11 +207,11 @@ def test_a_family_defined_in_a_test_trains_through_the_real_loop(tmp_path):
             "train.progress_bar=false",
             "train.peak_tflops=1.0",
             "checkpoint.enabled=false",
-            f"train.run_dir={tmp_path}",
+            f"train.run_dir={tmp_path / 'run'}",
         ],
     )
     last = train.run(cfg)
-    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
     assert sorted(losses) == [10, 20, 30, 40]
     # log(512) = 6.24 nats at init; the synthetic Markov chain is learnable.
@@ -219,6 +230,6 @@ def test_a_logical_axis_the_preset_lacks_fails_before_anything_is_built(tmp_path
     odd = models.register_family(
         dataclasses.replace(TOY, name="toy_odd_axis", logical_axes=TOY.logical_axes | {"toy_axis"})
     )
-    cfg = config.load(TINY_YML, [f"model.family={odd.name}", "data.kind=synthetic"])
+    cfg = config.load(toy_yml(tmp_path, odd.name), ["data.kind=synthetic"])
     with pytest.raises(ConfigError, match=r"'toy_axis' of model family 'toy_odd_axis'"):
         loop.build(cfg)

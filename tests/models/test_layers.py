@@ -53,10 +53,9 @@ def test_attention_matches_float64_reference(qk_norm):
         head_dim=8,
         dtype="float32",
         init_std=0.3,
-        qk_norm=qk_norm,
         rope_theta=10_000.0,
     )
-    attn = Attention(cfg, rngs=nnx.Rngs(params=0))
+    attn = Attention(cfg, qk_norm=qk_norm, rngs=nnx.Rngs(params=0))
     if qk_norm:  # non-trivial norm scales so the test sees them
         attn.q_norm.scale[...] = jnp.asarray(1.0 + 0.1 * _rand(5, 8))
         attn.k_norm.scale[...] = jnp.asarray(1.0 - 0.1 * _rand(6, 8))
@@ -93,7 +92,7 @@ def test_attention_with_segment_ids_equals_each_segment_alone(monkeypatch, query
     cfg = ModelConfig(
         emb_dim=32, num_heads=4, num_kv_heads=2, head_dim=8, dtype="float32", init_std=0.3
     )
-    attn = Attention(cfg, rngs=nnx.Rngs(params=0))
+    attn = Attention(cfg, qk_norm=True, rngs=nnx.Rngs(params=0))
     seg = np.array([[1, 1, 1, 2, 2, 2, 2, 0, 0], [1] * 9])
     pos = np.array([[0, 1, 2, 0, 1, 2, 3, 0, 0], list(range(9))])
     x = _rand(7, 2, 9, 32)
@@ -155,7 +154,8 @@ def test_swiglu_matches_reference_on_any_leading_axes():
 
 def test_params_carry_logical_axes():
     cfg = ModelConfig(emb_dim=32, num_heads=4, num_kv_heads=2, head_dim=8)  # shapes as above
-    specs = nnx.get_partition_spec(nnx.state(Attention(cfg, rngs=nnx.Rngs(params=0))))
+    attn = Attention(cfg, qk_norm=True, rngs=nnx.Rngs(params=0))
+    specs = nnx.get_partition_spec(nnx.state(attn))
     assert tuple(specs["w_q"].get_value()) == ("embed", "heads", "head_dim")
     assert tuple(specs["w_k"].get_value()) == ("embed", "kv_heads", "head_dim")
     assert tuple(specs["w_o"].get_value()) == ("heads", "head_dim", "embed")

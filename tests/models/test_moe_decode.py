@@ -26,6 +26,7 @@ def _block(**moe_changes) -> MoEBlock:
         param_dtype=np.float32,
         dtype=np.float32,
         rngs=nnx.Rngs(params=1),
+        shared_expert_gate=cfg.shared_expert_gate,
     )
 
 

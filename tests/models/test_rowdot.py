@@ -81,7 +81,7 @@ def test_a_one_token_attention_step_keeps_its_projections_in_bf16():
         param_dtype="bfloat16",
         dtype="bfloat16",
     )
-    attn = Attention(cfg, rngs=nnx.Rngs(params=0))
+    attn = Attention(cfg, qk_norm=True, rngs=nnx.Rngs(params=0))
     graphdef, state = nnx.split(attn)
     cache = KVCache(*(jnp.zeros((1, 8, 2, 64), jnp.bfloat16) for _ in range(2)))
     cos, sin = rope_cos_sin(jnp.zeros((1, 1), jnp.int32), 64, 10_000.0)

@@ -2,10 +2,11 @@
 
 import dataclasses
 
-from moetext.config.schema import KernelsConfig, ModelConfig, MoEConfig
+from moetext.config.schema import KernelsConfig
+from moetext.models.qwen3_moe.config import QwenModelConfig, QwenMoEConfig
 
 # float32 compute so comparisons against oracles and between code paths can be tight.
-TINY_MODEL = ModelConfig(
+TINY_MODEL = QwenModelConfig(
     family="qwen3_moe",
     vocab_size=128,
     emb_dim=32,
@@ -19,7 +20,7 @@ TINY_MODEL = ModelConfig(
     init_std=0.1,
     mlp_only_layers=(0,),  # layers: dense, MoE, MoE -> a heterogeneous stack for scan
 )
-TINY_MOE = MoEConfig(
+TINY_MOE = QwenMoEConfig(
     num_experts=4,
     num_experts_per_tok=2,
     moe_intermediate_size=16,
@@ -29,9 +30,9 @@ TINY_MOE = MoEConfig(
 KERNELS = KernelsConfig()
 
 
-def tiny(**model_changes) -> ModelConfig:
+def tiny(**model_changes) -> QwenModelConfig:
     return dataclasses.replace(TINY_MODEL, **model_changes)
 
 
-def tiny_moe(**moe_changes) -> MoEConfig:
+def tiny_moe(**moe_changes) -> QwenMoEConfig:
     return dataclasses.replace(TINY_MOE, **moe_changes)

@@ -1,4 +1,4 @@
-"""FP8 block-wise MoE training tracks the bf16 run (issue #5's end-to-end check)."""
+"""FP8 block-wise MoE training tracks the bf16 run (the recipe's end-to-end check)."""
 
 import json
 from pathlib import Path

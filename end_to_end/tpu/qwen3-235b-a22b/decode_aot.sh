@@ -18,7 +18,7 @@ import sys
 import moetext  # noqa: F401  (quiets libtpu's TPU probing where there is no TPU)
 from jax.errors import JaxRuntimeError
 
-from moetext import aot, config
+from moetext import aot, config, models  # noqa: F401  (models: the families register)
 
 topology, overrides = sys.argv[1], sys.argv[2:]
 cfg = config.load(

@@ -1,8 +1,10 @@
-"""The config reference (docs/config.md), rendered from the field docstrings of `schema`.
+"""The config reference (docs/config.md), rendered from the field docstrings of `schema` and of
+the registered model families' section classes (config/families.py).
 
 Field docstrings are string statements after each annotated field; Python keeps none of them at
-runtime, so the schema's source is read with `ast`. `scripts/gen_config_docs.py` writes the
-result; a test checks the checked-in file is current.
+runtime, so the source is read with `ast`. `scripts/gen_config_docs.py` writes the result (after
+importing moetext.models, which registers the families); a test checks the checked-in file is
+current.
 """
 
 from __future__ import annotations
@@ -10,11 +12,12 @@ from __future__ import annotations
 import ast
 import inspect
 
-from moetext.config import schema
+from moetext.config import families, schema
 
 HEADER = """# Config reference
 
-Generated from `src/moetext/config/schema.py` by `scripts/gen_config_docs.py`; do not edit.
+Generated from `src/moetext/config/schema.py` and the model families' section classes
+(`src/moetext/models/<family>/config.py`) by `scripts/gen_config_docs.py`; do not edit.
 
 A run's YAML has one mapping per section below. `base_config: path.yml` (or a list) inherits
 from other files (child keys win, mappings merge deeply). On the command line,
@@ -59,12 +62,33 @@ def _default(value: ast.expr | None, cls: str) -> str:
     return ast.unparse(value)
 
 
+TABLE = ["| key | type | default | meaning |", "|---|---|---|---|"]
+
+
 def render() -> str:
-    """The markdown of docs/config.md: one table per config class that has fields."""
+    """The markdown of docs/config.md: one table per config class that has fields, then one per
+    family section class with the fields it adds."""
     out = [HEADER]
-    for cls in ast.parse(inspect.getsource(schema)).body:
-        if not isinstance(cls, ast.ClassDef) or not (rows := _rows(cls)):
+    for node in ast.parse(inspect.getsource(schema)).body:
+        if not isinstance(node, ast.ClassDef) or not (rows := _rows(node)):
             continue
-        title = "Top-level sections" if cls.name == "Config" else f"`{cls.name}`"
-        out += [f"\n## {title}\n", "| key | type | default | meaning |", "|---|---|---|---|", *rows]
+        title = "Top-level sections" if node.name == "Config" else f"`{node.name}`"
+        out += [f"\n## {title}\n", *TABLE, *rows]
+    # Each family section class shipped in moetext (families registered elsewhere, e.g. by
+    # tests, are not documented here), by the folder that defines it.
+    seen: list[tuple[str, type]] = []
+    for name in families.registered_families():
+        sections = families.family_sections(name)
+        pairs: tuple[tuple[str, type], ...] = (("model", sections.model), ("moe", sections.moe))
+        for section, cls in pairs:
+            shipped = cls.__module__.startswith("moetext.models.")
+            if shipped and cls not in (schema.ModelConfig, schema.MoEConfig):
+                if (section, cls) not in seen:
+                    seen.append((section, cls))
+    for section, cls in seen:
+        (node,) = ast.parse(inspect.getsource(cls)).body
+        assert isinstance(node, ast.ClassDef)
+        folder = "/".join(cls.__module__.split(".")[1:-1])
+        title = f"`{cls.__name__}`: more `{section}` fields of the families in `{folder}/`"
+        out += [f"\n## {title}\n", *TABLE, *_rows(node)]
     return "\n".join(out) + "\n"

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import yaml
 
-from moetext.config.schema import Config
+from moetext.config import families
+from moetext.config.schema import Config, ModelConfig
 from moetext.config.shipped import SHIPPED_CONFIGS
 from moetext.config.validate import validate
 from moetext.errors import ConfigError
@@ -170,24 +171,41 @@ def _build[T: DataclassInstance](cls: type[T], raw: Any, prefix: str) -> T:
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
     hints = typing.get_type_hints(cls)
+    if cls is Config:
+        hints.update(_family_hints(raw))
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
         if key not in names:
-            if prefix + str(key) in MOVED_KEYS:
-                new = MOVED_KEYS[prefix + str(key)]
-                raise ConfigError(
-                    f"config key {prefix + str(key)!r} has moved to {new!r}; write it there "
-                    f"({new}=... on the command line)"
-                )
-            near = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
-            hint = f"; did you mean {prefix + near[0]!r}?" if near else ""
-            raise ConfigError(
-                f"unknown config key {prefix + str(key)!r}{hint} (valid keys in {where}: "
-                f"{', '.join(names)})"
-            )
+            _unknown_key(prefix, str(key), names, where)
         kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
     return cls(**kwargs)
+
+
+def _family_hints(raw: dict[str, Any]) -> dict[str, type]:
+    """The `model` and `moe` section classes of the family `raw` names (its model.family, else
+    the default): fields only another family has are then unknown keys."""
+    model = raw.get("model") or {}
+    family = model.get("family", ModelConfig.family) if isinstance(model, dict) else None
+    sections = families.family_sections(family)
+    return {"model": sections.model, "moe": sections.moe}
+
+
+def _unknown_key(prefix: str, key: str, names: list[str], where: str) -> NoReturn:
+    if prefix + key in MOVED_KEYS:
+        new = MOVED_KEYS[prefix + key]
+        raise ConfigError(
+            f"config key {prefix + key!r} has moved to {new!r}; write it there "
+            f"({new}=... on the command line)"
+        )
+    near = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
+    hint = f"; did you mean {prefix + near[0]!r}?" if near else ""
+    section = prefix.rstrip(".")
+    if section in ("model", "moe") and (others := families.owners(section, key)):
+        hint = f": a field of model.family {' / '.join(others)}, not of this one"
+    raise ConfigError(
+        f"unknown config key {prefix + key!r}{hint} (valid keys in {where}: {', '.join(names)})"
+    )
 
 
 def _type_name(tp: Any) -> str:

@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from moetext.config import families
 from moetext.config.fields import must_match, resume_safe, resume_safe_if, shapes_params
 from moetext.errors import ConfigError
 
@@ -28,7 +29,8 @@ def _clipping_stays_on_or_off(old: float | None, new: float | None) -> bool:
 @dataclass(frozen=True)
 class ModelConfig:
     family: str = shapes_params("qwen3_moe")
-    """Model family registered in `moetext.models.family` (qwen3_moe, dense)."""
+    """Model family registered in `moetext.models.family` (qwen3_moe, dense); it decides which
+    further model/moe fields exist (its section classes: models/<family>/config.py)."""
     vocab_size: int = shapes_params(32000)
     """Vocabulary size (embedding rows and LM-head columns)."""
     emb_dim: int = shapes_params(256)
@@ -47,10 +49,6 @@ class ModelConfig:
     """RoPE base frequency."""
     rms_norm_eps: float = shapes_params(1e-6)
     """Epsilon of every RMSNorm."""
-    qk_norm: bool = shapes_params(True)
-    """Per-head RMSNorm on q and k before RoPE (Qwen3)."""
-    attention_bias: bool = must_match(False)
-    """Bias on the q, k and v projections (Qwen2, Qwen2-MoE)."""
     tie_embeddings: bool = shapes_params(False)
     """Share the token embedding with the LM head."""
     param_dtype: DType = must_match("float32")
@@ -61,10 +59,6 @@ class ModelConfig:
     """Run the layer stack with nnx.scan over stacked params (fast compile for deep models)."""
     remat_policy: Literal["none", "full", "save_dots"] = resume_safe("none")
     """Per-layer activation checkpointing: none, full (recompute all), save_dots (keep matmuls)."""
-    decoder_sparse_step: int = shapes_params(1)
-    """Layer i is MoE when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers."""
-    mlp_only_layers: tuple[int, ...] = shapes_params(())
-    """Indices of layers that use the dense MLP even when decoder_sparse_step selects MoE."""
     init_std: float = must_match(0.02)
     """Standard deviation of the normal initialiser for weight matrices and embeddings."""
     loss_chunk_size: int = resume_safe(2048)
@@ -81,7 +75,6 @@ class ModelConfig:
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
-            decoder_sparse_step=self.decoder_sparse_step,
         )
         if self.loss_chunk_size < 0:
             raise ConfigError(
@@ -95,9 +88,6 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"model.head_dim={self.head_dim} must be even for RoPE")
-        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
-        if bad:
-            raise ConfigError(f"model.mlp_only_layers {bad} out of range [0, {self.num_layers})")
 
 
 @dataclass(frozen=True)
@@ -114,8 +104,6 @@ class MoEConfig:
     """Always-on shared experts (fused into one SwiGLU of width n * shared_intermediate_size)."""
     shared_intermediate_size: int = shapes_params(0)
     """Intermediate size of each shared expert (0 means moe_intermediate_size)."""
-    shared_expert_gate: bool = must_match(False)
-    """Scale the shared experts' output per token by sigmoid(x @ w [D, 1]) (Qwen2-MoE)."""
     aux_loss_weight: float = resume_safe(0.001)
     """Weight of the Switch-style load-balancing loss E * sum_e f_e * p_e."""
     z_loss_weight: float = resume_safe(0.0)
@@ -136,11 +124,6 @@ class MoEConfig:
             raise ConfigError(
                 f"moe.num_experts_per_tok={self.num_experts_per_tok} exceeds "
                 f"moe.num_experts={self.num_experts}: a token cannot pick more experts than exist"
-            )
-        if self.shared_expert_gate and self.num_shared_experts < 1:
-            raise ConfigError(
-                "moe.shared_expert_gate=true gates the shared experts: it needs "
-                f"moe.num_shared_experts >= 1, got {self.num_shared_experts}"
             )
         if self.capacity_factor <= 0:
             raise ConfigError(f"moe.capacity_factor must be positive, got {self.capacity_factor}")
@@ -393,6 +376,18 @@ class Config:
     """Device mesh and logical-axis rules."""
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     """Multi-process (multi-host) start-up."""
+
+    def __post_init__(self) -> None:
+        # model and moe as model.family's section classes (config/families.py), also when built
+        # in code from the base classes; an unregistered family keeps them as given (the model
+        # build names it).
+        sections = families.lookup(self.model.family)
+        if sections is not None:
+            family = self.model.family
+            model = families.as_family_class(self.model, sections.model, "model", family)
+            moe = families.as_family_class(self.moe, sections.moe, "moe", family)
+            object.__setattr__(self, "model", model)
+            object.__setattr__(self, "moe", moe)
 
     def replace(self, **sections: Any) -> Config:
         """A copy with the given sections replaced, e.g. `cfg.replace(train=train_cfg)`."""

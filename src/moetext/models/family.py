@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moetext.config.families import register_family_config
 from moetext.config.schema import KernelsConfig, ModelConfig, MoEConfig
 from moetext.errors import ConfigError
 from moetext.models.hf import HfAdapter, ParamPath
@@ -139,6 +140,11 @@ class ModelFamily:
     stacked axis, None for params outside the stack); None when the family has one layout."""
     hf: HfAdapter | None = None
     """The Hugging Face adapter; None: the family does not convert to or from HF."""
+    model_config: type[ModelConfig] = ModelConfig
+    """Its `model:` section class: ModelConfig, or a subclass with the family's own fields
+    (config/families.py; the loader decodes `model:` into it)."""
+    moe_config: type[MoEConfig] = MoEConfig
+    """Its `moe:` section class, likewise."""
     decode_cache: Callable[[ModelConfig, int, int], Any] | None = None
     """(model_cfg, batch, length) -> the decode cache as a pytree of CacheArray (what the
     model's init_cache returns, zeroed); None: the family does not decode."""
@@ -160,6 +166,9 @@ def register_family(family: ModelFamily, *, replace: bool = False) -> ModelFamil
             f"model family {family.name!r} is already registered ({old.description}); pass "
             "replace=True to replace it"
         )
+    register_family_config(
+        family.name, family.model_config, family.moe_config, replace=replace or old is family
+    )
     _FAMILIES[family.name] = family
     return family
 

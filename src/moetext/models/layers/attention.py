@@ -104,7 +104,12 @@ def _attend_rows(
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    """GQA self-attention with RoPE; qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3);
+    bias: a bias on the q, k and v projections (Qwen2). The family decides both."""
+
+    def __init__(
+        self, cfg: ModelConfig, *, qk_norm: bool = False, bias: bool = False, rngs: nnx.Rngs
+    ):
         if cfg.num_kv_heads <= 0 or cfg.num_heads % cfg.num_kv_heads:
             raise ValueError(
                 f"num_heads={cfg.num_heads} must be a positive multiple of "
@@ -117,12 +122,12 @@ class Attention(nnx.Module):
         self.w_k = make_param(rngs, init, (d, kv, h), KV_NAMES, pdt)
         self.w_v = make_param(rngs, init, (d, kv, h), KV_NAMES, pdt)
         self.w_o = make_param(rngs, init, (n, h, d), O_NAMES, pdt)
-        self.bias = bool(cfg.attention_bias)
+        self.bias = bias
         if self.bias:  # Qwen2(-MoE): q, k, v projections with bias (zeros at init)
             self.b_q = make_param(rngs, zeros, (n, h), ("heads", "head_dim"), pdt)
             self.b_k = make_param(rngs, zeros, (kv, h), ("kv_heads", "head_dim"), pdt)
             self.b_v = make_param(rngs, zeros, (kv, h), ("kv_heads", "head_dim"), pdt)
-        self.qk_norm = bool(cfg.qk_norm)
+        self.qk_norm = qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(h, eps=cfg.rms_norm_eps, param_dtype=pdt, rngs=rngs)
             self.k_norm = RMSNorm(h, eps=cfg.rms_norm_eps, param_dtype=pdt, rngs=rngs)

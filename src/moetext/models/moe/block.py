@@ -62,6 +62,8 @@ class MoEBlock(nnx.Module):
 
     gmm: the grouped matmul the dropless experts run (backend, quantization recipe, options),
     built once per model (`gmm_from_config(cfg.kernels)`) and shared by every MoE layer.
+    shared_expert_gate: scale the shared experts' output per token by sigmoid(x @ w [D, 1])
+    (Qwen2-MoE; needs cfg.num_shared_experts >= 1).
     """
 
     def __init__(
@@ -74,6 +76,7 @@ class MoEBlock(nnx.Module):
         param_dtype: DTypeLike,
         dtype: DTypeLike,
         rngs: nnx.Rngs,
+        shared_expert_gate: bool = False,
     ):
         check_moe_config(cfg)
         if not isinstance(gmm, Gmm):
@@ -106,7 +109,10 @@ class MoEBlock(nnx.Module):
             )
         else:
             self.shared = None
-        if cfg.shared_expert_gate:  # MoEConfig checked num_shared_experts >= 1
+        if shared_expert_gate and self.shared is None:
+            raise ValueError("shared_expert_gate needs num_shared_experts >= 1")
+        self.shared_expert_gate = shared_expert_gate
+        if shared_expert_gate:
             self.shared_gate = make_param(
                 rngs, normal(init_std), (emb_dim, 1), ("embed", None), param_dtype
             )
@@ -157,7 +163,7 @@ class MoEBlock(nnx.Module):
         shared_expert_gate (Qwen2-MoE)."""
         assert self.shared is not None
         shared_TD = self.shared(x_TD)
-        if self.cfg.shared_expert_gate:
+        if self.shared_expert_gate:
             gate_T1 = jax.nn.sigmoid(jnp.dot(x_TD, self.shared_gate[...].astype(self.dtype)))
             shared_TD = gate_T1 * shared_TD
         return shared_TD

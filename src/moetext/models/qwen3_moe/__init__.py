@@ -13,9 +13,11 @@ from collections.abc import Callable
 
 from flax import nnx
 
+from moetext.config.families import as_family_class
 from moetext.config.schema import KernelsConfig, ModelConfig, MoEConfig
 from moetext.models.family import ModelFamily, ParamCounts, register_family
 from moetext.models.hf import HfAdapter
+from moetext.models.qwen3_moe.config import QwenModelConfig, QwenMoEConfig, qwen_sections
 from moetext.models.qwen3_moe.flops import decoder_flops_per_token, decoder_param_counts
 from moetext.models.qwen3_moe.hf import HF
 from moetext.models.qwen3_moe.model import (
@@ -50,7 +52,7 @@ LOGICAL_AXES = frozenset(
 def decoder_family(
     name: str,
     description: str,
-    pattern: Callable[[ModelConfig], tuple[bool, ...]],
+    pattern: Callable[[QwenModelConfig], tuple[bool, ...]],
     logical_axes: frozenset[str],
     hf: HfAdapter | None = None,
 ) -> ModelFamily:
@@ -58,25 +60,33 @@ def decoder_family(
     module tree, counts and layer restacking all follow the one pattern."""
 
     def build(m: ModelConfig, moe: MoEConfig, k: KernelsConfig, rngs: nnx.Rngs) -> Decoder:
-        return Decoder(m, moe, k, moe_pattern=pattern(m), rngs=rngs)
+        qm, qmoe = qwen_sections(m, moe)
+        return Decoder(qm, qmoe, k, moe_pattern=pattern(qm), rngs=rngs)
 
     def count(m: ModelConfig, moe: MoEConfig) -> ParamCounts:
-        return decoder_param_counts(m, moe, pattern(m))
+        qm, qmoe = qwen_sections(m, moe)
+        return decoder_param_counts(qm, qmoe, pattern(qm))
 
     def flops(m: ModelConfig, moe: MoEConfig, seq_len: int) -> float:
-        return decoder_flops_per_token(m, moe, seq_len, pattern(m))
+        qm, qmoe = qwen_sections(m, moe)
+        return decoder_flops_per_token(qm, qmoe, seq_len, pattern(qm))
+
+    def layers(m: ModelConfig) -> tuple[bool, ...]:
+        return pattern(as_family_class(m, QwenModelConfig, "model", m.family))
 
     return ModelFamily(
         name=name,
         description=description,
         build=build,
-        moe_layers=pattern,
+        moe_layers=layers,
         count_params=count,
         flops_per_token=flops,
         logical_axes=logical_axes,
-        stack_layers=lambda p, m: stack_layers(p, pattern(m)),
-        unstack_layers=lambda p, m: unstack_layers(p, pattern(m)),
-        stacked_path=lambda m, path: stacked_path(path, pattern(m)),
+        stack_layers=lambda p, m: stack_layers(p, layers(m)),
+        unstack_layers=lambda p, m: unstack_layers(p, layers(m)),
+        stacked_path=lambda m, path: stacked_path(path, layers(m)),
+        model_config=QwenModelConfig,
+        moe_config=QwenMoEConfig,
         hf=hf,
         decode_cache=decode_cache,
     )
@@ -93,7 +103,7 @@ FAMILY = register_family(
 )
 
 
-def _dense_pattern(m: ModelConfig) -> tuple[bool, ...]:
+def _dense_pattern(m: QwenModelConfig) -> tuple[bool, ...]:
     return (False,) * m.num_layers
 
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from moetext.config.schema import ModelConfig, MoEConfig
 from moetext.models.family import ParamCounts
 from moetext.models.flops import dot_product_attention_flops, six_n_plus_attention
+from moetext.models.qwen3_moe.config import QwenModelConfig, QwenMoEConfig
 
 
-def decoder_param_counts(c: ModelConfig, moe: MoEConfig, pattern: Sequence[bool]) -> ParamCounts:
+def decoder_param_counts(
+    c: QwenModelConfig, moe: QwenMoEConfig, pattern: Sequence[bool]
+) -> ParamCounts:
     """Counts of the Decoder with `pattern[i]` True where layer i is an MoE layer."""
     d, n, kv, h = c.emb_dim, c.num_heads, c.num_kv_heads, c.head_dim
     attn = d * n * h + 2 * d * kv * h + n * h * d + (2 * h if c.qk_norm else 0)
@@ -39,7 +41,7 @@ def decoder_param_counts(c: ModelConfig, moe: MoEConfig, pattern: Sequence[bool]
 
 
 def decoder_flops_per_token(
-    c: ModelConfig, moe: MoEConfig, seq_len: int, pattern: Sequence[bool]
+    c: QwenModelConfig, moe: QwenMoEConfig, seq_len: int, pattern: Sequence[bool]
 ) -> float:
     counts = decoder_param_counts(c, moe, pattern)
     attention = dot_product_attention_flops(c.num_layers, c.num_heads, c.head_dim, seq_len)

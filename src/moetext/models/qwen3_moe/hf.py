@@ -17,14 +17,15 @@ from typing import Any
 from moetext.config.schema import ModelConfig, MoEConfig
 from moetext.errors import ConfigError
 from moetext.models.hf import HfAdapter, ParamPath, Tensor, hf_dtype
+from moetext.models.qwen3_moe.config import QwenModelConfig, QwenMoEConfig, qwen_sections
 from moetext.models.qwen3_moe.model import moe_layer_pattern
 
 # model_type -> architecture. Qwen2-MoE is this decoder without q/k norm, with q/k/v bias and a
-# sigmoid-gated shared expert (ModelConfig.attention_bias, MoEConfig.shared_expert_gate).
+# sigmoid-gated shared expert (QwenModelConfig.attention_bias, QwenMoEConfig.shared_expert_gate).
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 
 
-def tensor_map(m: ModelConfig, moe: MoEConfig) -> list[Tensor]:
+def tensor_map(m: QwenModelConfig, moe: QwenMoEConfig) -> list[Tensor]:
     """Every parameter of the unscanned qwen3_moe Decoder with its HF tensors."""
     d, n, kv, h, v = m.emb_dim, m.num_heads, m.num_kv_heads, m.head_dim, m.vocab_size
     e, f = moe.num_experts, moe.moe_intermediate_size
@@ -118,7 +119,7 @@ def rope_theta(hf: Mapping[str, Any]) -> float:
     return float(theta)
 
 
-def config_from_hf(hf: Mapping[str, Any]) -> tuple[ModelConfig, MoEConfig, str]:
+def config_from_hf(hf: Mapping[str, Any]) -> tuple[QwenModelConfig, QwenMoEConfig, str]:
     """(model, moe, stored dtype) from a Qwen3-MoE or Qwen2-MoE config.json; unsupported values
     and architectures fail naming the field."""
     kind = hf.get("model_type")
@@ -141,7 +142,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> tuple[ModelConfig, MoEConfig, str]:
             raise ConfigError(f"config.json {field}={got!r} is not supported (needs {want!r})")
     hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     shared = int(hf.get("shared_expert_intermediate_size") or 0) if qwen2 else 0
-    model = ModelConfig(
+    model = QwenModelConfig(
         family="qwen3_moe",
         vocab_size=int(hf["vocab_size"]),
         emb_dim=hidden,
@@ -158,7 +159,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> tuple[ModelConfig, MoEConfig, str]:
         decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
         mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
     )
-    moe = MoEConfig(
+    moe = QwenMoEConfig(
         num_experts=int(_get(hf, "num_experts", "num_local_experts")),
         num_experts_per_tok=int(hf["num_experts_per_tok"]),
         moe_intermediate_size=int(hf["moe_intermediate_size"]),
@@ -166,12 +167,12 @@ def config_from_hf(hf: Mapping[str, Any]) -> tuple[ModelConfig, MoEConfig, str]:
         num_shared_experts=1 if shared else 0,
         shared_intermediate_size=shared,
         shared_expert_gate=bool(shared),
-        aux_loss_weight=float(hf.get("router_aux_loss_coef", MoEConfig.aux_loss_weight)),
+        aux_loss_weight=float(hf.get("router_aux_loss_coef", QwenMoEConfig.aux_loss_weight)),
     )
     return model, moe, hf_dtype(hf)
 
 
-def hf_model_type(m: ModelConfig, moe: MoEConfig) -> str:
+def hf_model_type(m: QwenModelConfig, moe: QwenMoEConfig) -> str:
     """qwen3_moe or qwen2_moe, whichever describes the model exactly; else a ConfigError."""
     qwen3 = m.qk_norm and not m.attention_bias and not moe.num_shared_experts
     qwen2 = (
@@ -191,7 +192,7 @@ def hf_model_type(m: ModelConfig, moe: MoEConfig) -> str:
     return "qwen3_moe" if qwen3 else "qwen2_moe"
 
 
-def config_to_hf(m: ModelConfig, moe: MoEConfig, dtype: str) -> dict[str, Any]:
+def config_to_hf(m: QwenModelConfig, moe: QwenMoEConfig, dtype: str) -> dict[str, Any]:
     """config.json in the spelling of the released Qwen3-MoE / Qwen2-MoE checkpoints."""
     kind = hf_model_type(m, moe)
     out: dict[str, Any] = {
@@ -231,9 +232,17 @@ def config_to_hf(m: ModelConfig, moe: MoEConfig, dtype: str) -> dict[str, Any]:
     return out
 
 
+def _config_to_hf(m: ModelConfig, moe: MoEConfig, dtype: str) -> dict[str, Any]:
+    return config_to_hf(*qwen_sections(m, moe), dtype)
+
+
+def _tensor_map(m: ModelConfig, moe: MoEConfig) -> list[Tensor]:
+    return tensor_map(*qwen_sections(m, moe))
+
+
 HF = HfAdapter(
     model_types=tuple(ARCHITECTURES),
     config_from_hf=config_from_hf,
-    config_to_hf=config_to_hf,
-    tensor_map=tensor_map,
+    config_to_hf=_config_to_hf,
+    tensor_map=_tensor_map,
 )

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moetext.config.schema import KernelsConfig, ModelConfig, MoEConfig
+from moetext.config.schema import KernelsConfig, ModelConfig
 from moetext.kernels.gmm import Gmm
 from moetext.models.family import CacheArray, zeros_cache
 from moetext.models.hf import ParamPath
@@ -29,6 +29,7 @@ from moetext.models.layers.rope import rope_cos_sin
 from moetext.models.layers.rowdot import dot_rows
 from moetext.models.moe.block import AUX_KEYS, LOAD_KEY, MoEBlock, zero_aux
 from moetext.models.moe.experts import gmm_from_config
+from moetext.models.qwen3_moe.config import QwenModelConfig, QwenMoEConfig
 from moetext.sharding.logical import constrain
 
 ACT_NAMES = ("batch", "length", "embed")
@@ -41,7 +42,7 @@ LayerStep = Callable[
 REMAT_POLICIES = ("none", "full", "save_dots")
 
 
-def moe_layer_pattern(cfg: ModelConfig) -> tuple[bool, ...]:
+def moe_layer_pattern(cfg: QwenModelConfig) -> tuple[bool, ...]:
     """Per layer: True where the HF Qwen3-MoE rule selects the MoE block."""
     if cfg.decoder_sparse_step < 1:
         raise ValueError(f"decoder_sparse_step must be >= 1, got {cfg.decoder_sparse_step}")
@@ -77,8 +78,8 @@ class DecoderLayer(nnx.Module):
 
     def __init__(
         self,
-        cfg: ModelConfig,
-        moe_cfg: MoEConfig,
+        cfg: QwenModelConfig,
+        moe_cfg: QwenMoEConfig,
         gmm: Gmm,
         *,
         use_moe: bool,
@@ -87,7 +88,7 @@ class DecoderLayer(nnx.Module):
         pdt, dt = as_dtype(cfg.param_dtype), as_dtype(cfg.dtype)
         self.use_moe = bool(use_moe)
         self.attn_norm = RMSNorm(cfg.emb_dim, eps=cfg.rms_norm_eps, param_dtype=pdt, rngs=rngs)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = Attention(cfg, qk_norm=cfg.qk_norm, bias=cfg.attention_bias, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.emb_dim, eps=cfg.rms_norm_eps, param_dtype=pdt, rngs=rngs)
         if self.use_moe:
             self.mlp: MoEBlock | SwiGLU = MoEBlock(
@@ -98,6 +99,7 @@ class DecoderLayer(nnx.Module):
                 param_dtype=pdt,
                 dtype=dt,
                 rngs=rngs,
+                shared_expert_gate=moe_cfg.shared_expert_gate,
             )
         else:
             self.mlp = SwiGLU(
@@ -190,8 +192,8 @@ class Decoder(nnx.Module):
 
     def __init__(
         self,
-        cfg: ModelConfig,
-        moe_cfg: MoEConfig,
+        cfg: QwenModelConfig,
+        moe_cfg: QwenMoEConfig,
         kernels_cfg: KernelsConfig,
         *,
         moe_pattern: Sequence[bool],
@@ -395,7 +397,7 @@ def _make_stack(
     return create(keys)
 
 
-def _check_model_config(cfg: ModelConfig) -> None:
+def _check_model_config(cfg: QwenModelConfig) -> None:
     if cfg.remat_policy not in REMAT_POLICIES:
         raise ValueError(
             f"unknown remat_policy {cfg.remat_policy!r}; valid: {', '.join(REMAT_POLICIES)}"

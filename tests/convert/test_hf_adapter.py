@@ -1,0 +1,123 @@
+"""A family's HF adapter decides what conversion reads: the config.json model_type picks the
+family, and the adapter's `wrap_source` preprocesses stored tensors (here: block-scaled weights,
+as DeepSeek-V3 releases its FP8 experts with a `weight_scale_inv` per 128 x 128 block)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+
+from moetext import models
+from moetext.config.schema import KernelsConfig
+from moetext.convert.hf import load_model
+from moetext.convert.safetensors_io import SafetensorsReader, write
+from moetext.errors import ConfigError
+from moetext.models.hf import TensorSource
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf"
+BLOCK = 8  # the fixture's experts are [16, 32] / [32, 16]: 2 x 4 blocks
+SCALE = "_scale_inv"
+KIND = "scaled_qwen_test"
+
+
+class BlockScaled:
+    """The stored tensors with every `X` that has an `X_scale_inv` dequantized (X * the scale of
+    its BLOCK x BLOCK block), the scale tensors hidden."""
+
+    def __init__(self, source: TensorSource):
+        self.source = source
+        self.directory = source.directory
+
+    def names(self) -> list[str]:
+        return [n for n in self.source.names() if not n.endswith(SCALE)]
+
+    def get(self, name: str) -> np.ndarray:
+        x = np.asarray(self.source.get(name))
+        if name + SCALE not in self.source.names():
+            return x
+        s = np.asarray(self.source.get(name + SCALE))
+        full = np.repeat(np.repeat(s, BLOCK, 0), BLOCK, 1)[: x.shape[0], : x.shape[1]]
+        return (x.astype(np.float32) * full).astype(x.dtype)
+
+
+def _register() -> models.ModelFamily:
+    qwen = models.get_family("qwen3_moe")
+    assert qwen.hf is not None
+    qwen_hf = qwen.hf
+
+    def config_from_hf(hf: Mapping[str, Any]) -> Any:
+        m, moe, dtype = qwen_hf.config_from_hf({**hf, "model_type": "qwen3_moe"})
+        return dataclasses.replace(m, family=KIND), moe, dtype
+
+    adapter = dataclasses.replace(
+        qwen_hf, model_types=(KIND,), config_from_hf=config_from_hf, wrap_source=BlockScaled
+    )
+    return models.register_family(dataclasses.replace(qwen, name=KIND, hf=adapter), replace=True)
+
+
+def _scaled_copy(tmp_path: Path) -> Path:
+    """dense_first_t5 with each expert weight stored as w / s plus s per block, s a power of two
+    (so w / s * s is w exactly)."""
+    d = tmp_path / "scaled"
+    shutil.copytree(FIXTURES / "dense_first_t5", d)
+    reader = SafetensorsReader(d)
+    tensors = {n: np.array(reader.get(n)) for n in reader.names()}
+    del reader
+    for name in [n for n in tensors if ".mlp.experts." in n]:
+        w = tensors[name].astype(np.float32)
+        rows, cols = -(-w.shape[0] // BLOCK), -(-w.shape[1] // BLOCK)
+        s = np.ones((rows, cols), np.float32)
+        for i in range(rows):
+            for j in range(cols):
+                block = w[i * BLOCK : (i + 1) * BLOCK, j * BLOCK : (j + 1) * BLOCK]
+                s[i, j] = 2.0 ** np.ceil(np.log2(np.abs(block).max()))
+        full = np.repeat(np.repeat(s, BLOCK, 0), BLOCK, 1)[: w.shape[0], : w.shape[1]]
+        tensors[name] = (w / full).astype(tensors[name].dtype)
+        assert np.abs(tensors[name]).max() <= 1.0  # stored in [-1, 1], as a quantized range
+        tensors[name + SCALE] = s
+    (d / "model.safetensors").unlink()
+    write(d, iter(tensors.items()), max_shard_bytes=1 << 30)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "model_type": KIND, "architectures": []}))
+    return d
+
+
+def test_the_adapter_preprocesses_what_conversion_reads(tmp_path):
+    family = _register()
+    d = _scaled_copy(tmp_path)
+    kernels = KernelsConfig(gmm_backend="reference")
+    cfg, model = load_model(d, kernels=kernels)
+    assert cfg.model.family == KIND
+    _, want_model = load_model(FIXTURES / "dense_first_t5", kernels=kernels)
+    ids = np.load(FIXTURES / "dense_first_t5" / "input_ids.npy")
+    got = np.asarray(jax.jit(lambda t: model(t)[0])(ids))
+    want = np.asarray(jax.jit(lambda t: want_model(t)[0])(ids))
+    np.testing.assert_array_equal(got, want)  # power-of-two scales: dequantized bit-exactly
+
+    # Without the preprocessing the scale tensors are foreign to the tensor map.
+    assert family.hf is not None
+    plain = dataclasses.replace(family.hf, wrap_source=lambda s: s)
+    models.register_family(dataclasses.replace(family, hf=plain), replace=True)
+    with pytest.raises(ConfigError, match=r"unexpected \d+: model\.layers\.\d\.mlp\.experts"):
+        load_model(d, kernels=kernels)
+
+
+def test_a_model_type_no_family_reads_lists_the_ones_that_are_read(tmp_path):
+    d = tmp_path / "llama"
+    shutil.copytree(FIXTURES / "dense_first_t5", d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+    with pytest.raises(
+        ConfigError,
+        match=r"model_type='llama', which no model family reads; supported: .*qwen2_moe "
+        r"\(qwen3_moe\), qwen3_moe \(qwen3_moe\)",
+    ):
+        load_model(d)
