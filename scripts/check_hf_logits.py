@@ -334,17 +334,16 @@ def _checkpoint_logits(
     import jax
     from flax import nnx
 
+    from moetext import checkpoint, models, program
     from moetext import config as config_lib
-    from moetext import models, program
     from moetext.generate import batch_shards
     from moetext.sharding.mesh import initialize_distributed
-    from moetext.train import params_from
 
     cfg = config_lib.load(config, ["model.dtype=float32", *overrides])
     check_vocab(cfg.model.vocab_size, f"{config} with the overrides", ref)
     initialize_distributed(cfg.distributed)  # before anything touches devices
     plan = program.make_plan(cfg)
-    params = params_from.load_params(cfg, plan, str(ckpt))
+    params = checkpoint.load_params(str(ckpt), cfg, program.params_target(cfg, plan))
     abstract = nnx.eval_shape(
         lambda: models.build(cfg.model, cfg.moe, cfg.kernels, rngs=nnx.Rngs(params=0))
     )

@@ -19,11 +19,10 @@ LAYERS: dict[str, set[str]] = {
     "sharding": {"errors", "config"},
     "optim": {"errors", "config"},
     "data": {"errors", "config"},
-    "orbax_noise": set(),
-    "checkpoint": {"errors", "config", "orbax_noise"},
+    "checkpoint": {"errors", "config"},
     "models": {"errors", "config", "kernels", "sharding"},
     # What is compiled (model, plan, train/eval steps): shared by train, aot, generate.
-    "program": {"errors", "config", "kernels", "sharding", "optim", "data", "models"},
+    "program": {"errors", "config", "kernels", "sharding", "optim", "data", "models", "checkpoint"},
     "train": {
         "errors",
         "config",
@@ -33,14 +32,11 @@ LAYERS: dict[str, set[str]] = {
         "data",
         "checkpoint",
         "models",
-        "orbax_noise",
         "program",
     },
     "aot": {"errors", "config", "kernels", "sharding", "models", "optim", "program"},
     "convert": {"errors", "config", "models", "checkpoint"},
-    # Decoding builds what it compiles from program. "train" only for train/params_from.py
-    # (params-only checkpoint reads), which belongs in checkpoint/: then generate drops it.
-    "generate": {"errors", "config", "sharding", "models", "data", "program", "train"},
+    "generate": {"errors", "config", "sharding", "models", "data", "checkpoint", "program"},
     "plot": {"errors"},
     "cli": {"errors", "config", "sharding", "checkpoint", "models", "train"},
 }

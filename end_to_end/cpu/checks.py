@@ -202,12 +202,13 @@ def _params(step_dir: Path) -> dict[str, Any]:
     import jax
     import numpy as np
 
-    from moetext import program
+    from moetext import checkpoint, program
     from moetext.checkpoint import read_meta_config
-    from moetext.train import params_from
 
     cfg = read_meta_config(step_dir)
-    state = params_from.load_params(cfg, program.make_plan(cfg), str(step_dir))
+    state = checkpoint.load_params(
+        str(step_dir), cfg, program.params_target(cfg, program.make_plan(cfg))
+    )
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
     return {jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves}
 
@@ -292,12 +293,12 @@ def _run_model(config: Path, step_dir: Path) -> Any:
     Not moetext.generate.load: its model has decoding's prefused experts and no full forward."""
     from flax import nnx
 
+    from moetext import checkpoint, models, program
     from moetext import config as config_lib
-    from moetext import models, program
-    from moetext.train import params_from
 
     cfg = config_lib.load(config)
-    params = params_from.load_params(cfg, program.make_plan(cfg), str(step_dir))
+    target = program.params_target(cfg, program.make_plan(cfg))
+    params = checkpoint.load_params(str(step_dir), cfg, target)
     abstract = nnx.eval_shape(
         lambda: models.build(cfg.model, cfg.moe, cfg.kernels, rngs=nnx.Rngs(params=0))
     )

@@ -14,9 +14,8 @@ import jax  # isort: skip
 import numpy as np
 from flax import nnx
 
-from moetext import config, program
+from moetext import checkpoint, config, program
 from moetext.convert.hf import load_model
-from moetext.train import params_from
 
 ckpt, hf = sys.argv[1], sys.argv[2]
 cfg = config.load(
@@ -24,7 +23,7 @@ cfg = config.load(
     ["model.dtype=float32", "data.global_batch_size=4", "sharding.preset=fsdp"],
 )
 plan = program.make_plan(cfg)
-params = params_from.load_params(cfg, plan, ckpt)
+params = checkpoint.load_params(ckpt, cfg, program.params_target(cfg, plan))
 _, ref = load_model(hf)
 got = nnx.to_pure_dict(params)
 want = nnx.to_pure_dict(nnx.state(ref, nnx.Param))

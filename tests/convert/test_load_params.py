@@ -13,12 +13,11 @@ import pytest
 from flax import nnx
 
 from fake_devices import run_worker
-from moetext import config, models, program, train
+from moetext import checkpoint, config, models, program, train
 from moetext.convert.hf import load_model
 from moetext.convert.hf_to_orbax import hf_to_orbax
 from moetext.convert.orbax_to_hf import orbax_to_hf
 from moetext.errors import ConfigError
-from moetext.train import params_from
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "hf" / "dense_first_t5"
 
@@ -28,6 +27,12 @@ def converted(tmp_path_factory):
     out = tmp_path_factory.mktemp("conv") / "ckpt"
     hf_to_orbax(FIXTURE, out)
     return out
+
+
+def _load(cfg, directory):
+    return checkpoint.load_params(
+        str(directory), cfg, program.params_target(cfg, program.make_plan(cfg))
+    )
 
 
 def _pure(params) -> dict:
@@ -45,7 +50,7 @@ def _equal(a, b) -> bool:
 def test_loaded_params_are_the_hf_weights_in_either_layout(converted, scan, caplog):
     cfg = config.load(converted / "config.yml", [f"model.scan_layers={str(scan).lower()}"])
     with caplog.at_level(logging.INFO, logger="absl"):
-        params = params_from.load_params(cfg, program.make_plan(cfg), str(converted))
+        params = _load(cfg, converted)
     # orbax's routine 'Metadata file does not exist: state/_CHECKPOINT_METADATA' is dropped.
     assert not [r for r in caplog.records if "Metadata file does not exist" in r.getMessage()]
     _, ref = load_model(FIXTURE)
@@ -61,12 +66,12 @@ def test_loaded_params_are_the_hf_weights_in_either_layout(converted, scan, capl
 def test_mismatched_model_or_missing_directory_is_named(converted, tmp_path):
     cfg = config.load(converted / "config.yml", ["model.emb_dim=64", "model.head_dim=8"])
     with pytest.raises(ConfigError, match=r"model.emb_dim: the checkpoint has 32, this run 64"):
-        params_from.load_params(cfg, program.make_plan(cfg), str(converted))
+        _load(cfg, converted)
     with pytest.raises(ConfigError, match="does not exist"):
-        params_from.load_params(cfg, program.make_plan(cfg), str(tmp_path / "nope"))
+        _load(cfg, tmp_path / "nope")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="is not a moetext checkpoint"):
-        params_from.load_params(cfg, program.make_plan(cfg), str(tmp_path / "empty"))
+        _load(cfg, tmp_path / "empty")
 
 
 def test_each_device_receives_only_its_shard(converted):
@@ -100,10 +105,10 @@ def test_train_from_converted_then_export_the_trained_scanned_run(converted, tmp
     # The run's own checkpoint (scanned) converts out; its weights are the trained ones.
     orbax_to_hf(run / "checkpoints" / "3", tmp_path / "hf")
     _, exported = load_model(tmp_path / "hf")
-    trained = params_from.load_params(
-        config.load(converted / "config.yml", ["model.scan_layers=false"]),
-        program.make_plan(cfg),
+    trained = checkpoint.load_params(
         str(run / "checkpoints" / "3"),
+        unscanned := config.load(converted / "config.yml", ["model.scan_layers=false"]),
+        program.params_target(unscanned, program.make_plan(cfg)),
     )
     assert _equal(_pure(nnx.state(exported, nnx.Param)), _pure(trained))
     _, start = load_model(FIXTURE)

@@ -35,11 +35,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from moetext import config, models, program
+from moetext import checkpoint, config, models, program
 from moetext.generate.decode import Generated, generate_ids
 from moetext.models.moe import ep
 from moetext.sharding.plan import Plan
-from moetext.train import params_from
 
 DEVICES = 4
 # f32 compute; the fixture's data.global_batch_size is checked against the device count.
@@ -61,7 +60,7 @@ def load(ckpt: str, overrides: Sequence[str], devices: list[jax.Device]) -> tupl
     """(plan, unscanned model holding the checkpoint's params on the plan's shardings)."""
     cfg = config.load(f"{ckpt}/config.yml", [*BASE, *overrides, "model.scan_layers=false"])
     plan = program.make_plan(cfg, devices)
-    params = params_from.load_params(cfg, plan, ckpt)
+    params = checkpoint.load_params(ckpt, cfg, program.params_target(cfg, plan))
     abstract = nnx.eval_shape(
         lambda: models.build(cfg.model, cfg.moe, cfg.kernels, rngs=nnx.Rngs(params=0))
     )

@@ -38,12 +38,28 @@ def _rows(cls: ast.ClassDef) -> list[str]:
         if isinstance(after, ast.Expr):
             # One table cell: a docstring wrapped over lines is joined into one.
             doc = " ".join(ast.literal_eval(after.value).split()).replace("|", "\\|")
-        default = ast.unparse(node.value) if node.value is not None else ""
-        if "default_factory" in default:
-            default = "see section" if cls.name == "Config" else "{}"
+        default = _default(node.value, cls.name)
         typ = ast.unparse(node.annotation).replace("|", "\\|")
         rows.append(f"| `{node.target.id}` | `{typ}` | `{default}` | {doc} |")
     return rows
+
+
+# Calls that make a field around its default: dataclasses' and config/fields.py's.
+_FIELD_MAKERS = {"field", "shapes_params", "must_match", "resume_safe", "resume_safe_if"}
+
+
+def _default(value: ast.expr | None, cls: str) -> str:
+    """The default as written: `x` of `x`, of `field(default=x)` and of a declaration helper's
+    `resume_safe(x)` (config/fields.py); a default_factory shows as {} (a section: see it)."""
+    if value is None:
+        return ""
+    if isinstance(value, ast.Call) and ast.unparse(value.func) in _FIELD_MAKERS:
+        if any(k.arg == "default_factory" for k in value.keywords):
+            return "see section" if cls == "Config" else "{}"
+        given = [k.value for k in value.keywords if k.arg == "default"] or value.args[:1]
+        if given:
+            return ast.unparse(given[0])
+    return ast.unparse(value)
 
 
 TABLE = ["| key | type | default | meaning |", "|---|---|---|---|"]

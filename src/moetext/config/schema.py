@@ -3,7 +3,8 @@
 A run's YAML decodes into `Config`; each component receives only its own slice
 (`MoEBlock(cfg.moe, ...)`), never the whole tree. Each section checks its own values when it is
 built (`__post_init__`, a ConfigError naming the field); checks that span sections live in
-`moetext.config.validate`.
+`moetext.config.validate`. Each field declares what a checkpoint's config must match
+(`moetext.config.fields`: shapes_params, must_match, resume_safe, resume_safe_if).
 """
 
 from __future__ import annotations
@@ -13,47 +14,54 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from moetext.config import families
+from moetext.config.fields import must_match, resume_safe, resume_safe_if, shapes_params
 from moetext.errors import ConfigError
 
 DType = Literal["float32", "bfloat16", "float16"]
 
 
+def _clipping_stays_on_or_off(old: float | None, new: float | None) -> bool:
+    """A clipping threshold is a hyperparameter; turning clipping on or off adds or removes a
+    stage (and its state) in the optimizer chain."""
+    return (old is None) == (new is None)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str = "qwen3_moe"
+    family: str = shapes_params("qwen3_moe")
     """Model family registered in `moetext.models.family` (qwen3_moe, dense); it decides which
     further model/moe fields exist (its section classes: models/<family>/config.py)."""
-    vocab_size: int = 32000
+    vocab_size: int = shapes_params(32000)
     """Vocabulary size (embedding rows and LM-head columns)."""
-    emb_dim: int = 256
+    emb_dim: int = shapes_params(256)
     """Hidden size D of the residual stream."""
-    num_layers: int = 2
+    num_layers: int = shapes_params(2)
     """Number of decoder layers."""
-    num_heads: int = 4
+    num_heads: int = shapes_params(4)
     """Number of query heads."""
-    num_kv_heads: int = 2
+    num_kv_heads: int = shapes_params(2)
     """Number of key/value heads (GQA); must divide num_heads."""
-    head_dim: int = 64
+    head_dim: int = shapes_params(64)
     """Per-head dimension of q, k and v."""
-    mlp_dim: int = 1024
+    mlp_dim: int = shapes_params(1024)
     """Intermediate size of the dense SwiGLU MLP (dense layers only)."""
-    rope_theta: float = 1_000_000.0
+    rope_theta: float = shapes_params(1_000_000.0)
     """RoPE base frequency."""
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float = shapes_params(1e-6)
     """Epsilon of every RMSNorm."""
-    tie_embeddings: bool = False
+    tie_embeddings: bool = shapes_params(False)
     """Share the token embedding with the LM head."""
-    param_dtype: DType = "float32"
+    param_dtype: DType = must_match("float32")
     """Storage dtype of parameters (the optimizer's master copy)."""
-    dtype: DType = "bfloat16"
+    dtype: DType = must_match("bfloat16")
     """Compute dtype of activations and matmuls."""
-    scan_layers: bool = False
+    scan_layers: bool = must_match(False)
     """Run the layer stack with nnx.scan over stacked params (fast compile for deep models)."""
-    remat_policy: Literal["none", "full", "save_dots"] = "none"
+    remat_policy: Literal["none", "full", "save_dots"] = resume_safe("none")
     """Per-layer activation checkpointing: none, full (recompute all), save_dots (keep matmuls)."""
-    init_std: float = 0.02
+    init_std: float = must_match(0.02)
     """Standard deviation of the normal initialiser for weight matrices and embeddings."""
-    loss_chunk_size: int = 2048
+    loss_chunk_size: int = resume_safe(2048)
     """Training/eval loss: LM head fused with the cross-entropy over vocab chunks of at most this
     many rows (with sharding.split_dense_gathers on a split mesh: a multiple of 128, at least
     128), never holding the [B*S, V] float32 logits (train/loss.py); 0: full logits."""
@@ -84,28 +92,28 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    num_experts: int = 8
+    num_experts: int = shapes_params(8)
     """Number of routed experts E."""
-    num_experts_per_tok: int = 2
+    num_experts_per_tok: int = shapes_params(2)
     """Experts per token K (top-k); at most num_experts."""
-    router: str = "softmax_topk"
+    router: str = shapes_params("softmax_topk")
     """Registered router that picks each token's K experts and their weights (models/moe/routers:
     softmax_topk)."""
-    moe_intermediate_size: int = 512
+    moe_intermediate_size: int = shapes_params(512)
     """Intermediate size F of each routed expert."""
-    norm_topk_prob: bool = True
+    norm_topk_prob: bool = shapes_params(True)
     """Renormalise the top-k routing weights to sum to one (Qwen3)."""
-    num_shared_experts: int = 0
+    num_shared_experts: int = shapes_params(0)
     """Always-on shared experts (fused into one SwiGLU of width n * shared_intermediate_size)."""
-    shared_intermediate_size: int = 0
+    shared_intermediate_size: int = shapes_params(0)
     """Intermediate size of each shared expert (0 means moe_intermediate_size)."""
-    aux_loss_weight: float = 0.001
+    aux_loss_weight: float = resume_safe(0.001)
     """Weight of the Switch-style load-balancing loss E * sum_e f_e * p_e."""
-    z_loss_weight: float = 0.0
+    z_loss_weight: float = resume_safe(0.0)
     """Weight of the router z-loss mean(logsumexp(logits)^2); 0 disables it."""
-    dispatch: Literal["dropless", "capacity"] = "dropless"
+    dispatch: Literal["dropless", "capacity"] = must_match("dropless")
     """dropless: sort-based grouped matmul; capacity: fixed per-expert buffers (drop overflow)."""
-    capacity_factor: float = 1.25
+    capacity_factor: float = must_match(1.25)
     """Capacity dispatch only: slots per expert = ceil(capacity_factor * T * K / E)."""
 
     def __post_init__(self) -> None:
@@ -126,28 +134,28 @@ class MoEConfig:
 
 @dataclass(frozen=True)
 class KernelsConfig:
-    gmm_backend: str = "auto"
+    gmm_backend: str = resume_safe("auto")
     """Grouped-matmul backend (`moetext.kernels.gmm.available_backends()`); auto: by platform."""
-    checked: bool = False
+    checked: bool = resume_safe(False)
     """Verify at run time that group sizes are non-negative and sum to at most M (debug)."""
-    tiling: tuple[int, int, int] | None = None
+    tiling: tuple[int, int, int] | None = resume_safe(None)
     """Fixed (tm, tk, tn) tiles for tiled backends; None uses each backend's defaults."""
-    quantization: str = "none"
+    quantization: str = resume_safe("none")
     """Quantization recipe around the gmm backend (`moetext.kernels.available_recipes()`): none,
     fp8_blockwise (1x128 block scales, FP8 fwd and bwd, Pallas FP8 kernels on TPU) or
     fp8_tensorwise (one scale per tensor and expert weight, any backend's own gmm)."""
-    recipe: dict[str, Any] = field(default_factory=dict)
+    recipe: dict[str, Any] = resume_safe(default_factory=dict)
     """Options of the quantization recipe, e.g. {block_size: 128, weight_block: 128x128,
     bwd_quantize: auto, qag: true} for fp8_blockwise (docs/kernels.md lists each recipe's);
     an unknown option fails at model build, naming the nearest valid one."""
-    fuse_gate_up: bool | Literal["auto"] = "auto"
+    fuse_gate_up: bool | Literal["auto"] = resume_safe("auto")
     """Run the experts' gate and up projections as one gmm on [w_gate | w_up]: xs is quantized
     and kept once (FP8 residuals), but the FSDP step holds one [E, D, 2F] weight gradient
     (more peak memory). auto = fused exactly when kernels.quantization is on."""
-    grad_reduce_dtype: Literal["param", "bfloat16"] = "param"
+    grad_reduce_dtype: Literal["param", "bfloat16"] = resume_safe("param")
     """dtype of the reduce-scatter of sharded expert-weight gradients: param (the weights'
     dtype, f32 by default) or bfloat16 (half the bytes and the full-size gradient buffer)."""
-    regather_weights: bool = False
+    regather_weights: bool = must_match(False)
     """All-gather FSDP-sharded expert weights again in the backward instead of keeping the
     forward's gathered copy: less memory per chip (Qwen3-30B-A3B on v5p:4x4x2: 18.51 -> 17.36
     GiB), 1.5x the expert-weight all-gather bytes. kernels.quantization none only."""
@@ -168,32 +176,32 @@ class KernelsConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    kind: Literal["synthetic", "tfds"] = "synthetic"
+    kind: Literal["synthetic", "tfds"] = must_match("synthetic")
     """Data source. tfds: a dataset prepared by `python -m moetext.data.prepare`, read with
     grain and packed; synthetic: seeded token sequences with learnable structure (benchmarks)."""
-    name: str | None = None
+    name: str | None = must_match(None)
     """tfds only: the prepared dataset's name under data_dir; python_docs is the embedded
     corpus (CPython's docs and docstrings), prepared automatically on first use."""
-    data_dir: str | None = None
+    data_dir: str | None = resume_safe(None)
     """tfds only: where prepared datasets live; None: $MOETEXT_DATA_DIR or ~/.cache/moetext/data."""
-    tokenizer: str | None = None
+    tokenizer: str | None = must_match(None)
     """tfds only: a sentencepiece .model or a Hugging Face tokenizer.json (or its directory);
     None uses the tokenizer saved beside the dataset."""
-    train_split: str = "train"
+    train_split: str = must_match("train")
     """tfds only: split to train on."""
-    eval_split: str = "eval"
+    eval_split: str = resume_safe("eval")
     """tfds only: split the evaluation batches come from."""
-    shuffle: bool = True
+    shuffle: bool = must_match(True)
     """tfds only: visit documents in a seeded order, reshuffled every epoch."""
-    prefetch: int = 2
+    prefetch: int = resume_safe(2)
     """tfds only: batches prepared ahead in a background thread."""
-    seq_len: int = 256
+    seq_len: int = must_match(256)
     """Tokens per row (each row holds seq_len + 1 so inputs and targets are seq_len long)."""
-    global_batch_size: int = 4
+    global_batch_size: int = must_match(4)
     """Sequences per step across all devices; must be divisible by the number of devices."""
-    seed: int = 0
+    seed: int = must_match(0)
     """Seed of the data stream (independent from the model seed)."""
-    eval_batches: int = 2
+    eval_batches: int = resume_safe(2)
     """Held-out batches per evaluation (the same batches every time)."""
 
     def __post_init__(self) -> None:
@@ -209,57 +217,57 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    learning_rate: float = 3e-4
+    learning_rate: float = resume_safe(3e-4)
     """Peak learning rate after warmup."""
-    warmup_steps: int = 10
+    warmup_steps: int = resume_safe(10)
     """Linear warmup steps from 0 to learning_rate."""
-    decay_steps: int | None = None
+    decay_steps: int | None = resume_safe(None)
     """Cosine decay length after warmup; None decays over the remaining train.steps."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = resume_safe(0.1)
     """Final learning rate as a fraction of the peak."""
-    b1: float = 0.9
+    b1: float = resume_safe(0.9)
     """AdamW beta1."""
-    b2: float = 0.95
+    b2: float = resume_safe(0.95)
     """AdamW beta2."""
-    eps: float = 1e-8
+    eps: float = resume_safe(1e-8)
     """AdamW epsilon."""
-    weight_decay: float = 0.1
+    weight_decay: float = resume_safe(0.1)
     """Decoupled weight decay, applied to weight matrices only (never norms)."""
-    clip_norm: float | None = 1.0
+    clip_norm: float | None = resume_safe_if(1.0, when=_clipping_stays_on_or_off)
     """Global gradient-norm clipping threshold; None disables clipping."""
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 100
+    steps: int = resume_safe(100)
     """Number of optimizer steps to run in total (a resumed run continues up to it)."""
-    run_dir: str = "runs/default"
+    run_dir: str = resume_safe("runs/default")
     """Directory for the resolved config, metrics.jsonl and checkpoints."""
-    seed: int = 0
+    seed: int = must_match(0)
     """Seed of parameter initialisation and any training randomness."""
-    log_every: int = 10
+    log_every: int = resume_safe(10)
     """Log metrics every N steps (and at the last step)."""
-    eval_every: int = 0
+    eval_every: int = resume_safe(0)
     """Evaluate on held-out batches every N steps; 0 disables periodic evaluation."""
-    peak_tflops: float | None = None
+    peak_tflops: float | None = resume_safe(None)
     """Dense bf16 TFLOP/s of one device for MFU; None: published for its kind, else measured."""
-    progress_bar: bool = True
+    progress_bar: bool = resume_safe(True)
     """Show a progress bar on the terminal."""
-    tensorboard: bool = True
+    tensorboard: bool = resume_safe(True)
     """Also write the metrics (and per-layer expert load) as TensorBoard events in run_dir."""
-    skip_nonfinite_steps: int = 0
+    skip_nonfinite_steps: int = resume_safe(0)
     """0: a NaN/Inf loss or grad norm stops the run. N > 0: such a step leaves params and
     optimizer state unchanged (logged as skipped); more than N skips in a row stop the run."""
-    profile_steps: tuple[int, int] | None = None
+    profile_steps: tuple[int, int] | None = resume_safe(None)
     """[start, stop]: write a jax.profiler trace of steps start..stop-1 (numbered as logged)
     under run_dir/tensorboard/ (TensorBoard's profile plugin, or Perfetto). None: no trace."""
-    profile_processes: tuple[int, ...] = (0,)
+    profile_processes: tuple[int, ...] = resume_safe((0,))
     """Process indices that write the profiler trace (each host writes its own)."""
-    grad_accum_steps: int = 1
+    grad_accum_steps: int = resume_safe(1)
     """Split each step's global batch into N micro-batches run one after another inside the
     step (gradients summed, one optimizer update): the same step with one micro-batch's
     activations in memory. N must divide data.global_batch_size."""
-    separate_update: bool = True
+    separate_update: bool = must_match(True)
     """Run the step as two jitted programs, the gradient then the optimizer update, instead of
     one: the same math with less peak memory on TPU, where one program holds a second copy of
     the layer scan's stacked gradient (Qwen3-30B-A3B on v5p:4x4x2: 18.51 vs 20.63 GiB per
@@ -289,17 +297,17 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    enabled: bool = True
+    enabled: bool = resume_safe(True)
     """Write orbax checkpoints under <run_dir>/checkpoints."""
-    every: int = 50
+    every: int = resume_safe(50)
     """Save every N steps (and at the last step)."""
-    keep: int = 3
+    keep: int = resume_safe(3)
     """Keep the newest K checkpoints."""
-    async_save: bool = True
+    async_save: bool = resume_safe(True)
     """Write checkpoints in the background while training continues."""
-    resume: bool = True
+    resume: bool = resume_safe(True)
     """Resume from the newest complete checkpoint in run_dir when one exists."""
-    load_params_from: str | None = None
+    load_params_from: str | None = resume_safe(None)
     """A checkpoint directory (a run's checkpoints/<step>/ or `moetext.convert hf-to-orbax`
     output) whose params start a new run: step 0, fresh optimizer. Ignored on resume."""
 
@@ -311,13 +319,13 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class ShardingConfig:
-    preset: str = "fsdp"
+    preset: str = resume_safe("fsdp")
     """Preset under configs/sharding/ (fsdp, fsdp_tp, fsdp_ep) or a path to a preset YAML file."""
-    mesh: dict[str, int] = field(default_factory=dict)
+    mesh: dict[str, int] = resume_safe(default_factory=dict)
     """Per-slice (ICI) axis sizes overriding the preset's; -1 fills with the remaining devices."""
-    dcn_mesh: dict[str, int] = field(default_factory=dict)
+    dcn_mesh: dict[str, int] = resume_safe(default_factory=dict)
     """Across-slice (DCN) axis sizes overriding the preset's; their product is the slice count."""
-    split_dense_gathers: bool = False
+    split_dense_gathers: bool = must_match(False)
     """Run the dense layers' FSDP matmuls (attention, dense MLP, router, the fused loss's LM
     head) per token shard in a shard_map on the torus-split mesh, so that on a 3D TPU slice (or
     a whole square 2D one, 4x4 and up) their weight gathers and gradient reduce-scatters are
@@ -330,15 +338,15 @@ class ShardingConfig:
 
 @dataclass(frozen=True)
 class DistributedConfig:
-    initialize: Literal["auto", "always", "never"] = "auto"
+    initialize: Literal["auto", "always", "never"] = resume_safe("auto")
     """jax.distributed.initialize: auto (num_processes > 1 or launcher env vars), always, never."""
-    coordinator_address: str | None = None
+    coordinator_address: str | None = resume_safe(None)
     """host:port of process 0; None: JAX_COORDINATOR_ADDRESS or auto-detect (TPU VM, SLURM)."""
-    num_processes: int | None = None
+    num_processes: int | None = resume_safe(None)
     """Number of processes (hosts) in the job; None reads JAX_NUM_PROCESSES or auto-detects."""
-    process_id: int | None = None
+    process_id: int | None = resume_safe(None)
     """This process's index in [0, num_processes); None reads JAX_PROCESS_ID or auto-detects."""
-    initialization_timeout_s: int = 300
+    initialization_timeout_s: int = resume_safe(300)
     """Seconds to wait for every process to reach the coordinator."""
 
     def __post_init__(self) -> None:

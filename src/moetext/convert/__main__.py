@@ -35,10 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("absl").setLevel(logging.ERROR)
     try:
         if args.command == "hf-to-orbax":
-            from moetext.convert.bounded_save import return_large_frees_to_os
+            from moetext.checkpoint.bounded_save import return_large_frees_to_os
             from moetext.convert.hf_to_orbax import emit_config, hf_to_orbax
 
-            # Freed write buffers back to the OS, not cached per thread (bounded_save.py).
+            # Freed write buffers back to the OS, not cached per thread (checkpoint/bounded_save).
             return_large_frees_to_os()
 
             cfg = hf_to_orbax(

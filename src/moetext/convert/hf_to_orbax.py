@@ -11,8 +11,8 @@ tokenizer files. A run with `scan_layers` restacks the layers when it loads them
 
 Memory: each HF tensor is memory-mapped; a parameter whose layout or dtype changes is written
 into a memory-mapped scratch file under OUT's staging directory (file pages, not anonymous
-memory), and orbax writes from those maps a few chunk-aligned boxes at a time, each box's
-write awaited before the next starts (`bounded_save.BoundedNumpyHandler`, at most
+memory), and `checkpoint.write_params` writes from those maps a few chunk-aligned boxes at a
+time, each box's write awaited before the next starts (`checkpoint/bounded_save.py`, at most
 `WRITE_SLOTS` x `WRITE_BOX_BYTES` in flight). The peak anonymous memory is therefore a few
 boxes, not the model, however slow the disk (tests/convert/test_streaming_memory.py measures
 it). Everything is written to a staging directory
@@ -27,18 +27,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import jax
 import ml_dtypes
 import numpy as np
-import orbax.checkpoint as ocp
 import yaml
 from flax import nnx
 
 from moetext import config as config_lib
 from moetext import models
-from moetext.checkpoint import shape_mismatches
+from moetext.checkpoint import shape_mismatches, write_params
 from moetext.config.schema import Config
-from moetext.convert.bounded_save import BoundedNumpyHandler
 from moetext.convert.hf import (
     DTYPES,
     adapter_for,
@@ -51,11 +48,6 @@ from moetext.convert.staging import publish, refuse_existing, staging
 from moetext.errors import ConfigError
 from moetext.models.hf import Tensor, TensorSource, hf_dtype
 
-# Bytes in flight while writing: at most WRITE_SLOTS boxes of WRITE_BOX_BYTES (whole chunks).
-WRITE_BOX_BYTES = 32 * 2**20
-WRITE_SLOTS = 4
-# Chunks of at most this many bytes: tensorstore encodes and writes a chunk at a time.
-SAVE_ARGS = ocp.SaveArgs(chunk_byte_size=8 * 2**20)
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -160,31 +152,9 @@ def hf_to_orbax(
         for t in tensors:
             var = _leaf(params, t.path)
             var.set_value(_mapped(reader, t, target, scratch))
-        # Orbax's NumPy handler deep-copies every leaf and writes them all at once: that would
-        # copy the memory maps into anonymous memory as fast as the disk falls behind.
-        writer = BoundedNumpyHandler(box_bytes=WRITE_BOX_BYTES, slots=WRITE_SLOTS)
-        registry = ocp.type_handlers.create_type_handler_registry((np.ndarray, writer))
-        handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_ocdbt=False)
-        ckptr = ocp.Checkpointer(
-            ocp.CompositeCheckpointHandler(state=handler, meta=ocp.JsonCheckpointHandler())
-        )
-        meta = {
-            "step": 0,
-            "config": config_lib.to_dict(cfg),
-            "converted_from": {"hf": str(hf_dir.resolve()), "dtype": dtype},
-        }
         ckpt = stage / "checkpoint"
-        ckptr.save(
-            ckpt,
-            args=ocp.args.Composite(
-                state=ocp.args.PyTreeSave(
-                    {"params": params},
-                    save_args=jax.tree.map(lambda _: SAVE_ARGS, {"params": params}),
-                ),
-                meta=ocp.args.JsonSave(meta),
-            ),
-        )
-        ckptr.close()
+        converted_from = {"hf": str(hf_dir.resolve()), "dtype": dtype}
+        write_params(ckpt, params, cfg, {"converted_from": converted_from})
         del params
         config_lib.save(cfg, ckpt / "config.yml")
         if tokenizer:

@@ -25,47 +25,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orbax.checkpoint as ocp
 
 from moetext import config as config_lib
 from moetext import models
-from moetext.checkpoint import read_meta_config, shape_mismatches
+from moetext.checkpoint import LeafReader, read_meta_config, shape_mismatches
 from moetext.config.schema import Config
 from moetext.convert import safetensors_io
 from moetext.convert.hf_to_orbax import np_dtype
 from moetext.convert.staging import publish, refuse_existing, staging
 from moetext.errors import ConfigError
 from moetext.models.hf import ParamPath, Tensor
-
-
-class _Params:
-    """Single-leaf restores from DIR/state as NumPy arrays."""
-
-    def __init__(self, state_dir: Path):
-        self.dir = state_dir
-        self.ckptr = ocp.PyTreeCheckpointer()
-        meta = self.ckptr.metadata(state_dir).item_metadata
-        tree = meta.tree if hasattr(meta, "tree") else meta
-        self.tree: dict[str, Any] = tree["params"]
-
-    def get(self, path: tuple[str | int, ...]) -> np.ndarray:
-        node: Any = {"value": 0}
-        for key in reversed(path):
-            node = {str(key): node}
-        item = {"params": node}
-        args = {"params": _map_leaf(node, ocp.RestoreArgs(restore_type=np.ndarray))}
-        restored = self.ckptr.restore(
-            self.dir,
-            args=ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True),
-        )
-        leaf: Any = restored["params"]
-        for key in path:
-            leaf = leaf[str(key)]
-        return np.asarray(leaf["value"])
-
-
-def _map_leaf(node: Any, value: Any) -> Any:
-    return {k: _map_leaf(v, value) for k, v in node.items()} if isinstance(node, dict) else value
 
 
 def _has(tree: dict[str, Any], path: ParamPath) -> bool:
@@ -77,7 +46,7 @@ def _has(tree: dict[str, Any], path: ParamPath) -> bool:
     return True
 
 
-def moetext_arrays(params: _Params, cfg: Config) -> Iterator[tuple[Tensor, np.ndarray]]:
+def moetext_arrays(params: LeafReader, cfg: Config) -> Iterator[tuple[Tensor, np.ndarray]]:
     """Every tensor of the family's unscanned map with its array, one restored leaf at a time.
     A tensor the checkpoint holds in the scan_layers layout (`ModelFamily.stacked_path`) comes
     from its stacked leaf, restored once for all the layers it holds."""
@@ -127,7 +96,7 @@ def orbax_to_hf(
             raise ConfigError(f"{config_path} does not describe {ckpt}: " + "; ".join(bad))
         cfg = given
     adapter = models.hf_adapter(cfg.model.family)
-    params = _Params(ckpt / "state")
+    params = LeafReader(ckpt)
     stored = np.dtype(params.tree["embed"]["value"].dtype).name
     dtype = dtype or ("bfloat16" if stored == "bfloat16" else stored)
     hf_config = adapter.config_to_hf(cfg.model, cfg.moe, dtype)

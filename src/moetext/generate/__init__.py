@@ -15,6 +15,7 @@ from typing import Any
 
 from flax import nnx
 
+from moetext import checkpoint as checkpoint_lib
 from moetext import config as config_lib
 from moetext import models
 from moetext.config import Config
@@ -23,9 +24,8 @@ from moetext.errors import ConfigError
 from moetext.generate.decode import Generated, generate_ids
 from moetext.generate.sampling import Sampling
 from moetext.models.moe.decode import prefuse_all
-from moetext.program import make_plan
+from moetext.program import make_plan, params_target
 from moetext.sharding.plan import Plan
-from moetext.train import params_from
 
 
 def batch_shards(plan: Plan) -> int:
@@ -73,7 +73,7 @@ def load(
             f"{cfg.model.vocab_size}"
         )
     plan = make_plan(cfg)
-    params = params_from.load_params(cfg, plan, checkpoint)
+    params = checkpoint_lib.load_params(checkpoint, cfg, params_target(cfg, plan))
     abstract = nnx.eval_shape(
         lambda: models.build(cfg.model, cfg.moe, cfg.kernels, rngs=nnx.Rngs(params=0))
     )

@@ -7,8 +7,9 @@
 
 build.py builds the model, the plan and the jitted steps; step.py holds the train and eval
 steps (loss, gradient, optimizer update, model-state update); loss.py the training objective;
-state.py the TrainState; batch.py batch placement. Nothing here knows the training loop
-(moetext.train), its metrics or checkpoints.
+state.py the TrainState; batch.py batch placement; `params_target` what a params-only
+checkpoint read restores onto. Nothing here knows the training loop (moetext.train) or its
+metrics.
 """
 
 from moetext.program.batch import abstract_batch, local_rows, put_batch
@@ -21,6 +22,7 @@ from moetext.program.build import (
     jit_train_step,
     lower_checked,
     make_plan,
+    params_target,
 )
 from moetext.program.state import TrainState
 
@@ -36,5 +38,6 @@ __all__ = [
     "local_rows",
     "lower_checked",
     "make_plan",
+    "params_target",
     "put_batch",
 ]

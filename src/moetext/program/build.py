@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from moetext import checkpoint, models, optim
 from moetext import config as config_lib
-from moetext import models, optim
 from moetext.config import Config
 from moetext.models import ModelState
 from moetext.program.state import TrainState
@@ -110,6 +110,19 @@ def make_plan(cfg: Config, devices: list[jax.Device] | None = None) -> sharding_
     num_devices = len(devices) if devices is not None else jax.device_count()
     config_lib.validate_for_devices(cfg, num_devices)
     return sharding_plan.make_plan(cfg.sharding, devices)
+
+
+def params_target(cfg: Config, plan: sharding_plan.Plan) -> checkpoint.ParamsTarget:
+    """What `checkpoint.load_params` restores a checkpoint's params onto for a run of cfg on
+    plan: the model's abstract params on the plan's shardings, in either layer layout."""
+    family = models.get_family(cfg.model.family)
+    return checkpoint.ParamsTarget.of_model(
+        cfg,
+        create_model,
+        plan.shardings_for,
+        stack_layers=family.stack_layers,
+        unstack_layers=family.unstack_layers,
+    )
 
 
 def create_model(cfg: Config) -> nnx.Module:

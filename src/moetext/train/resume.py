@@ -8,16 +8,14 @@ import sys
 from typing import Any
 
 import jax
-import orbax.checkpoint as ocp
 from etils import epath
 
 from moetext import checkpoint as checkpoint_lib
 from moetext import data as data_lib
 from moetext.checkpoint import Checkpointer, CheckpointError, abstract_like
 from moetext.config import Config
-from moetext.orbax_noise import quiet_absent_step_metadata
-from moetext.program import Built, TrainState
-from moetext.train import params_from, rundir
+from moetext.program import Built, TrainState, params_target
+from moetext.train import rundir
 
 
 def checkpointer(cfg: Config, run_dir: epath.Path, state: TrainState) -> Checkpointer | None:
@@ -42,7 +40,8 @@ def initial_state(b: Built, ckpt: Checkpointer | None, data: data_lib.TrainData)
         # and step 0.
         jax.tree.map(lambda x: x.delete(), state.params)
         src = b.cfg.checkpoint.load_params_from
-        state = dataclasses.replace(state, params=params_from.load_params(b.cfg, b.plan, src))
+        params = checkpoint_lib.load_params(src, b.cfg, params_target(b.cfg, b.plan))
+        state = dataclasses.replace(state, params=params)
         b.state = state
         if jax.process_index() == 0:
             print(f"params from {src}", file=sys.stderr, flush=True)
@@ -76,11 +75,8 @@ def check_model_state(step_dir: epath.Path, state: TrainState, where: str) -> No
     before the model had ModelState variables, or after it dropped them), before orbax's
     structure mismatch would set the checkpoint aside as unusable. A state/ item whose metadata
     cannot be read is left to the restore (which reports it and falls back)."""
-    quiet_absent_step_metadata()
     try:
-        meta = ocp.PyTreeCheckpointer().metadata(step_dir / "state").item_metadata
-        tree = meta.tree if hasattr(meta, "tree") else meta
-        saved = "model_state" in tree
+        saved = "model_state" in checkpoint_lib.saved_items(step_dir)
     except Exception:  # orbax raises many types for a damaged item
         return
     wanted = len(state.model_state) > 0

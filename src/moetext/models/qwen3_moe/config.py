@@ -7,19 +7,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moetext.config.families import as_family_class
+from moetext.config.fields import must_match, shapes_params
 from moetext.config.schema import ModelConfig, MoEConfig
 from moetext.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class QwenModelConfig(ModelConfig):
-    qk_norm: bool = True
+    qk_norm: bool = shapes_params(True)
     """Per-head RMSNorm on q and k before RoPE (Qwen3)."""
-    attention_bias: bool = False
+    attention_bias: bool = must_match(False)
     """Bias on the q, k and v projections (Qwen2, Qwen2-MoE)."""
-    decoder_sparse_step: int = 1
+    decoder_sparse_step: int = shapes_params(1)
     """Layer i is MoE when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers."""
-    mlp_only_layers: tuple[int, ...] = ()
+    mlp_only_layers: tuple[int, ...] = shapes_params(())
     """Indices of layers that use the dense MLP even when decoder_sparse_step selects MoE."""
 
     def __post_init__(self) -> None:
@@ -35,7 +36,7 @@ class QwenModelConfig(ModelConfig):
 
 @dataclass(frozen=True)
 class QwenMoEConfig(MoEConfig):
-    shared_expert_gate: bool = False
+    shared_expert_gate: bool = must_match(False)
     """Scale the shared experts' output per token by sigmoid(x @ w [D, 1]) (Qwen2-MoE)."""
 
     def __post_init__(self) -> None:

@@ -12,8 +12,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from moetext.convert import bounded_save
-from moetext.convert.bounded_save import BoundedNumpyHandler, chunk_boxes
+from moetext.checkpoint import bounded_save
+from moetext.checkpoint.bounded_save import BoundedNumpyHandler, chunk_boxes
 
 
 @pytest.mark.parametrize(

@@ -16,10 +16,8 @@ temporary directories newer than the step used are reported and left for orbax t
 When checkpoints exist but none is usable, resume stops with `CheckpointError` (a ConfigError:
 the CLI prints one line and exits 2) rather than silently starting from scratch over them.
 
-Before a step's arrays are restored, its saved config is compared with the run's
-(`check_config`): fields outside `RESUME_SAFE_FIELDS` that changed stop the run, naming each
-field with both values; allowed changes are logged in one line. Checkpoints without a saved
-config (written before it was recorded) resume with a warning.
+Before a step's arrays are restored, the caller's `check_meta` sees its meta (the training
+loop compares the saved config with the run's: `config_check.check_config`).
 """
 
 from __future__ import annotations
@@ -35,117 +33,14 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from moetext.config import CheckpointConfig, Config, from_dict, to_dict
-from moetext.errors import ConfigError
-from moetext.orbax_noise import quiet_orbax_failures
+from moetext.checkpoint.errors import Broken, CheckpointError, CheckpointWriteError
+from moetext.checkpoint.meta import META, STATE, read_json
+from moetext.checkpoint.orbax_noise import quiet_orbax_failures
+from moetext.config import CheckpointConfig
 
-ITEMS = ("state", "meta", "data")
+ITEMS = (STATE, META, "data")
 COMMIT_FILE = "commit_success.txt"  # orbax writes it last, into the step and each item
 TMP_MARKER = ".orbax-checkpoint-tmp"  # orbax's half-written step directories
-
-# Resolved-config fields (dotted, as in overrides) that may differ between a checkpoint and the
-# run resuming it: none changes a parameter's shape or dtype, the optimizer state's structure
-# or the training data stream. Every other field (model.* but remat and loss_chunk_size, moe.*
-# but the loss weights, data.kind/name/tokenizer/seq_len/global_batch_size/seed/shuffle/
-# train_split, train.seed, optim.clip_norm on <-> off, and any field added later) must match:
-# the resumed run would otherwise restore mismatched arrays or silently train on another problem.
-RESUME_SAFE_FIELDS = frozenset(
-    {
-        # Loop length, logging, evaluation, output.
-        "train.steps",
-        "train.run_dir",
-        "train.log_every",
-        "train.eval_every",
-        "train.peak_tflops",
-        "train.progress_bar",
-        "train.tensorboard",
-        "train.skip_nonfinite_steps",
-        "train.profile_steps",
-        "train.profile_processes",
-        # The same batch's gradient, summed over micro-batches (only the MoE aux losses are
-        # per micro-batch): memory, not the problem, changes.
-        "train.grad_accum_steps",
-        *(
-            f"checkpoint.{k}"
-            for k in ("enabled", "every", "keep", "async_save", "resume", "load_params_from")
-        ),
-        # Learning-rate schedule and AdamW hyperparameters (same optimizer-state structure).
-        *(f"optim.{k}" for k in ("learning_rate", "warmup_steps", "decay_steps", "min_lr_ratio")),
-        *(f"optim.{k}" for k in ("b1", "b2", "eps", "weight_decay")),
-        # Loss weights only: the router and experts keep their shapes.
-        "moe.aux_loss_weight",
-        "moe.z_loss_weight",
-        # Activation checkpointing recomputes the same values; params are unchanged.
-        "model.remat_policy",
-        # How the loss is computed (fused vocab chunks or full logits), not what it is.
-        "model.loss_chunk_size",
-        # Kernels change how the same params are multiplied (fp8 quantizes on the fly; the
-        # fused gate/up concatenates at run time), never the params themselves.
-        *(
-            f"kernels.{k}"
-            for k in (
-                "gmm_backend",
-                "checked",
-                "tiling",
-                "quantization",
-                "fuse_gate_up",
-                "grad_reduce_dtype",
-            )
-        ),
-        # The quantization recipes' options (kernels/quant/: fp8_blockwise, fp8_tensorwise).
-        *(
-            f"kernels.recipe.{k}"
-            for k in (
-                "block_size",
-                "weight_block",
-                "bwd_quantize",
-                "fwd_dtype",
-                "grad_dtype",
-                "emulation_dtype",
-                "save_rhs",
-                "qag",
-            )
-        ),
-        # Where the same data lives, prefetch depth, held-out batches.
-        "data.data_dir",
-        "data.prefetch",
-        "data.eval_split",
-        "data.eval_batches",
-        # Arrays are restored onto the new run's shardings, data positions onto its processes.
-        "sharding.preset",
-        "sharding.mesh",
-        "sharding.dcn_mesh",
-        *(
-            f"distributed.{k}"
-            for k in (
-                "initialize",
-                "coordinator_address",
-                "num_processes",
-                "process_id",
-                "initialization_timeout_s",
-            )
-        ),
-    }
-)
-# Safe only for some pairs of values: (old, new) -> allowed.
-RESUME_SAFE_IF: dict[str, Callable[[Any, Any], bool]] = {
-    # A clipping threshold is a hyperparameter; turning clipping on or off adds or removes a
-    # stage (and its state) in the optimizer chain.
-    "optim.clip_norm": lambda old, new: (old is None) == (new is None),
-}
-
-
-class CheckpointError(ConfigError):
-    """Checkpoints that cannot be resumed: none usable, or saved with an incompatible config."""
-
-
-class CheckpointWriteError(Exception):
-    """A checkpoint could not be written (disk full, permissions, a storage error); the
-    complete checkpoints before it are untouched."""
-
-
-class _Broken(Exception):
-    """One step that cannot be used (internal: resume falls back to the previous step)."""
 
 
 class Checkpointer:
@@ -235,7 +130,7 @@ class Checkpointer:
         try:
             meta, data_states = self._check_structure(step)
             return self._restore_state(step, abstract_state), meta, data_states
-        except _Broken as e:
+        except Broken as e:
             path = self.directory / str(step)
             raise CheckpointError(f"{path}: unusable checkpoint ({e})") from None
 
@@ -264,7 +159,7 @@ class Checkpointer:
                 if check_meta is not None:
                     check_meta(step, meta)
                 state = self._restore_state(step, abstract_state)
-            except _Broken as e:
+            except Broken as e:
                 _report(f"{path}: unusable checkpoint ({e}); trying the previous one")
                 broken.append((step, str(e)))
                 continue
@@ -292,21 +187,21 @@ class Checkpointer:
         """Cheap checks before any array is read: commit markers, items, meta and data JSON."""
         root = self.directory / str(step)
         if not (root / COMMIT_FILE).is_file():
-            raise _Broken(f"no {COMMIT_FILE}: the save never completed")
+            raise Broken(f"no {COMMIT_FILE}: the save never completed")
         for item in ITEMS:
             if not (root / item).is_dir():
-                raise _Broken(f"item {item!r} is missing")
+                raise Broken(f"item {item!r} is missing")
             if not (root / item / COMMIT_FILE).is_file():
-                raise _Broken(f"item {item!r} has no {COMMIT_FILE}")
+                raise Broken(f"item {item!r} has no {COMMIT_FILE}")
         if not (root / "state" / "_METADATA").is_file():
-            raise _Broken("state/_METADATA is missing")
-        meta = _read_json(root / "meta" / "metadata")
+            raise Broken("state/_METADATA is missing")
+        meta = read_json(root / "meta" / "metadata")
         if not isinstance(meta, dict) or meta.get("step") != step:
-            raise _Broken(f"meta/metadata does not name step {step}: {str(meta)[:200]}")
+            raise Broken(f"meta/metadata does not name step {step}: {str(meta)[:200]}")
         files = sorted((root / "data").glob("process_*-of-*.json"))
         if not files:
-            raise _Broken("data/ holds no process_*-of-*.json input position")
-        return meta, [_read_json(f) for f in files]
+            raise Broken("data/ holds no process_*-of-*.json input position")
+        return meta, [read_json(f) for f in files]
 
     def _restore_state(self, step: int, abstract_state: Any) -> Any:
         try:
@@ -317,9 +212,9 @@ class Checkpointer:
             got = int(state.step)  # reads the value: a damaged array fails here at the latest
         except Exception as e:  # orbax and tensorstore raise many types (ValueError, OSError..)
             msg = " ".join(str(e).split()).split(" See full TensorStore details")[0]
-            raise _Broken(f"restoring its arrays failed: {type(e).__name__}: {msg[:300]}") from None
+            raise Broken(f"restoring its arrays failed: {type(e).__name__}: {msg[:300]}") from None
         if got != step:
-            raise _Broken(f"its state.step is {got}")
+            raise Broken(f"its state.step is {got}")
         return state
 
     def _set_aside(self, steps: list[int]) -> None:
@@ -360,62 +255,6 @@ class Checkpointer:
             self._mngr.close()
 
 
-# Fields that decide a parameter's shape or value: checkpoints whose params another config
-# loads (load_params_from, conversion) must agree on them.
-SHAPE_FIELDS = {
-    "model": (
-        "family",
-        "vocab_size",
-        "emb_dim",
-        "num_layers",
-        "num_heads",
-        "num_kv_heads",
-        "head_dim",
-        "mlp_dim",
-        "rope_theta",
-        "rms_norm_eps",
-        "qk_norm",
-        "tie_embeddings",
-        "decoder_sparse_step",
-        "mlp_only_layers",
-    ),
-    "moe": (
-        "num_experts",
-        "num_experts_per_tok",
-        "moe_intermediate_size",
-        "norm_topk_prob",
-        "num_shared_experts",
-        "shared_intermediate_size",
-    ),
-}
-
-
-def shape_mismatches(a: Config, b: Config, a_name: str, b_name: str) -> list[str]:
-    """`section.field: <a_name> has X, <b_name> Y` for each SHAPE_FIELDS field that differs."""
-    out = []
-    for section, fields in SHAPE_FIELDS.items():
-        for name in fields:
-            x, y = getattr(getattr(a, section), name), getattr(getattr(b, section), name)
-            if x != y:
-                out.append(f"{section}.{name}: {a_name} has {x!r}, {b_name} {y!r}")
-    return out
-
-
-def read_meta_config(directory: epath.PathLike) -> Config:
-    """The config saved in a checkpoint directory's meta/ (a run's step or a conversion)."""
-    d = epath.Path(directory)
-    meta = d / "meta" / "metadata"
-    if not (d / "state").is_dir() or not meta.exists():
-        raise ConfigError(
-            f"{d} is not a moetext checkpoint (needs state/ and meta/: a run's "
-            "checkpoints/<step>/ or the output of python -m moetext.convert hf-to-orbax)"
-        )
-    saved = _read_json(meta).get("config")
-    if saved is None:
-        raise ConfigError(f"{meta} holds no config")
-    return from_dict(saved)
-
-
 def abstract_like(tree: Any) -> Any:
     """ShapeDtypeStructs carrying each array's sharding: the restore target."""
 
@@ -442,54 +281,6 @@ class _JsonState:
         self.value = json.loads(state)
 
 
-def _read_json(path: epath.Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        rel = f"{path.parent.name}/{path.name}"
-        raise _Broken(f"{rel} is unreadable: {type(e).__name__}: {e}") from None
-
-
 def _report(line: str) -> None:
     if jax.process_index() == 0:
         print(f"checkpoint: {line}", file=sys.stderr, flush=True)
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        # sharding.mesh / dcn_mesh are dicts of axis sizes: compared whole.
-        if isinstance(v, dict) and f"{prefix}{k}" not in ("sharding.mesh", "sharding.dcn_mesh"):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def check_config(saved: dict[str, Any] | None, cfg: Config, where: str) -> list[str]:
-    """Compares the config saved with a checkpoint against the resuming run's.
-
-    Raises CheckpointError naming every changed field outside RESUME_SAFE_FIELDS (with both
-    values); returns the allowed changes as "field: old -> new" (or a warning line when the
-    checkpoint has no saved config). A field the saved config lacks (added to the schema since)
-    counts as its default value; a field the schema no longer has is ignored."""
-    if saved is None:
-        return ["no saved config (an older checkpoint): config changes cannot be checked"]
-    now = _flatten(to_dict(cfg))
-    old = {**_flatten(to_dict(Config())), **_flatten(saved)}
-    allowed: list[str] = []
-    blocking: list[str] = []
-    for key in sorted(now):
-        a, b = old.get(key), now[key]
-        if a == b:
-            continue
-        line = f"{key}: {a!r} -> {b!r}"
-        safe = key in RESUME_SAFE_FIELDS or (key in RESUME_SAFE_IF and RESUME_SAFE_IF[key](a, b))
-        (allowed if safe else blocking).append(line)
-    if blocking:
-        raise CheckpointError(
-            f"the config differs from the one {where} was saved with in fields that change the "
-            f"parameters, optimizer state or data stream: {'; '.join(blocking)}. Resume with "
-            f"the saved values, or start a new run (another train.run_dir)"
-        )
-    return allowed
