@@ -33,6 +33,7 @@ SHAPES_PARAMS = {
         for k in (
             "num_experts",
             "num_experts_per_tok",
+            "router",  # the params' meaning: which router reads the router weight
             "moe_intermediate_size",
             "norm_topk_prob",
             "num_shared_experts",
