@@ -252,3 +252,14 @@ def test_the_block_refuses_a_routing_of_the_wrong_shape():
             dtype=jnp.float32,
             rngs=nnx.Rngs(params=0),
         )
+
+
+def test_unknown_names_fail_before_anything_is_built():
+    from moetext import models
+    from moetext.config.schema import ModelConfig, MoEConfig
+
+    models.check_names(ModelConfig(), MoEConfig())
+    with pytest.raises(ConfigError, match=r"unknown moe.router 'sofmax_topk' \(did you mean"):
+        models.check_names(ModelConfig(), MoEConfig(router="sofmax_topk"))
+    with pytest.raises(ConfigError, match=r"model.family='qwen4' is not a registered"):
+        models.check_names(ModelConfig(family="qwen4"), MoEConfig())

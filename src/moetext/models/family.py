@@ -37,6 +37,7 @@ from moetext.config.families import register_family_config
 from moetext.config.schema import KernelsConfig, ModelConfig, MoEConfig
 from moetext.errors import ConfigError
 from moetext.models.hf import HfAdapter, ParamPath
+from moetext.models.moe.routers import get_router
 
 
 class ParamCounts(TypedDict):
@@ -229,6 +230,13 @@ def hf_adapter(name: str) -> HfAdapter:
             f"{', '.join(sorted(convertible))}"
         )
     return family.hf
+
+
+def check_names(model_cfg: ModelConfig, moe_cfg: MoEConfig) -> None:
+    """Every registry name the config uses exists (model.family, moe.router): one ConfigError
+    naming the valid ones, before data or a model is built."""
+    get_family(model_cfg.family)
+    get_router(moe_cfg.router)
 
 
 def build(

@@ -45,6 +45,7 @@ def run(cfg: Config) -> dict[str, Any]:
     """Trains to cfg.train.steps, resuming from the newest checkpoint; returns the last metrics."""
     # Unwritable run dir: one line before anything is built or compiled.
     run_dir = rundir.prepare(cfg.train.run_dir)
+    models.check_names(cfg.model, cfg.moe)  # an unknown family or router: before data and model
     plan = make_plan(cfg)
     # Data before the model: a missing dataset or a tokenizer too large for the model fails
     # here, before anything compiles. Each process reads only the rows its devices hold.
