@@ -121,3 +121,10 @@ def test_a_model_type_no_family_reads_lists_the_ones_that_are_read(tmp_path):
         r"\(qwen3_moe\), qwen3_moe \(qwen3_moe\)",
     ):
         load_model(d)
+
+
+def test_a_variant_reusing_an_adapter_does_not_take_its_model_types():
+    qwen = models.get_family("qwen3_moe")
+    models.register_family(dataclasses.replace(qwen, name="qwen_variant_test"), replace=True)
+    for kind in ("qwen3_moe", "qwen2_moe"):
+        assert models.family_for_hf({"model_type": kind}) is qwen

@@ -207,10 +207,15 @@ def get_family(name: str) -> ModelFamily:
 
 
 def family_for_hf(config_json: dict[str, Any]) -> ModelFamily:
-    """The registered family whose HF adapter reads config.json's model_type; a ConfigError
-    listing the supported model types otherwise."""
+    """The registered family whose HF adapter reads config.json's model_type (the first
+    registered, when several do); a ConfigError listing the supported model types otherwise."""
     kind = config_json.get("model_type")
-    readers = {t: f for f in _FAMILIES.values() if f.hf for t in f.hf.model_types}
+    # A model_type belongs to the first family registered that reads it (the built-in one): a
+    # family registered later with the same adapter (a variant, a test's) does not take it.
+    readers: dict[str, ModelFamily] = {}
+    for f in _FAMILIES.values():
+        for t in f.hf.model_types if f.hf else ():
+            readers.setdefault(t, f)
     if kind not in readers:
         supported = ", ".join(f"{t} ({f.name})" for t, f in sorted(readers.items()))
         raise ConfigError(
