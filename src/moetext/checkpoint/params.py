@@ -18,6 +18,7 @@ shardings the run's rules give that layout, then restacked (or unstacked) by the
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -80,11 +81,18 @@ class ParamsTarget:
         return cls(abstract, stack_layers, unstack_layers)
 
 
+def _absolute(directory: epath.PathLike) -> epath.Path:
+    """A local path made absolute (orbax finds no tree metadata under a relative one: a run's
+    `runs/...` checkpoint would look empty); a remote one (gs://...) as given."""
+    text = os.fspath(directory)
+    return epath.Path(text if "://" in text else os.path.abspath(text))
+
+
 def saved_items(directory: epath.PathLike) -> dict[str, Any]:
     """The item tree of a checkpoint's `state/` (item name -> its tree of array metadata),
     read without reading any array."""
     quiet_absent_step_metadata()
-    meta = ocp.PyTreeCheckpointer().metadata(epath.Path(directory) / STATE).item_metadata
+    meta = ocp.PyTreeCheckpointer().metadata(_absolute(directory) / STATE).item_metadata
     tree: dict[str, Any] = meta.tree if hasattr(meta, "tree") else meta
     return tree
 
@@ -95,7 +103,7 @@ def read_item(directory: epath.PathLike, name: str, abstract: Any) -> Any:
     other items are not read."""
     quiet_absent_step_metadata()
     restored = ocp.PyTreeCheckpointer().restore(
-        epath.Path(directory) / STATE,
+        _absolute(directory) / STATE,
         args=ocp.args.PyTreeRestore(
             item={name: abstract},
             restore_args={name: ocp.checkpoint_utils.construct_restore_args(abstract)},
@@ -148,7 +156,7 @@ class LeafReader:
     for one leaf, whatever the model's size."""
 
     def __init__(self, directory: epath.PathLike, item: str = PARAMS):
-        self.dir = epath.Path(directory) / STATE
+        self.dir = _absolute(directory) / STATE
         self.item = item
         self.tree: dict[str, Any] = saved_items(directory)[item]
         """The item's tree of array metadata (`.shape`, `.dtype` per leaf)."""
