@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 import optax
-from flax import nnx, serialization
+from flax import nnx
 from jax.tree_util import GetAttrKey
 
 _ALWAYS = ("step", "params", "opt_state", "rng")
@@ -58,18 +58,3 @@ def _unflatten(has_model_state: bool, children: Iterable[Any]) -> TrainState:
 # A pytree whose keys are the field names (what orbax names the saved arrays by), leaving out an
 # empty model_state: no node, so no `model_state` entry in a checkpoint that has nothing there.
 jax.tree_util.register_pytree_with_keys(TrainState, _flatten_with_keys, _unflatten, _flatten)
-
-
-def _to_state_dict(s: TrainState) -> dict[str, Any]:
-    names = (*_ALWAYS, "model_state") if _has_model_state(s) else _ALWAYS
-    return {n: serialization.to_state_dict(getattr(s, n)) for n in names}
-
-
-def _from_state_dict(s: TrainState, state: dict[str, Any]) -> TrainState:
-    names = (*_ALWAYS, "model_state") if _has_model_state(s) else _ALWAYS
-    return s.replace(**{n: serialization.from_state_dict(getattr(s, n), state[n]) for n in names})
-
-
-# Orbax writes a checkpoint's tree metadata (what params-only reads and conversion look up
-# without reading arrays) from this state-dict form, as for a flax.struct dataclass.
-serialization.register_serialization_state(TrainState, _to_state_dict, _from_state_dict)  # type: ignore[no-untyped-call]
