@@ -7,6 +7,7 @@ imports ever leads back to where it started.
 """
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "moetext"
@@ -47,28 +48,35 @@ def _package(module: str) -> str:
     return parts[1] if len(parts) > 1 else "moetext"
 
 
+def imported(tree: ast.AST) -> list[str]:
+    """Every module an import statement names, lazy ones included: `from a.b import c` names
+    a.b and a.b.c (c may be a submodule)."""
+    out: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out += [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+    return out
+
+
+def edges_between(root: Path, part: Callable[[str], str | None]) -> dict[tuple[str, str], str]:
+    """(importer, imported) parts, as `part` names a module (None: outside), of the files under
+    root -> one file where it happens."""
+    edges: dict[tuple[str, str], str] = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(SRC.parent).with_suffix("")
+        here = part(".".join(rel.parts).removesuffix(".__init__"))
+        for target in imported(ast.parse(path.read_text())):
+            there = part(target)
+            if here is not None and there is not None and there != here:
+                edges.setdefault((here, there), str(path.relative_to(SRC.parent)))
+    return edges
+
+
 def import_edges() -> dict[tuple[str, str], str]:
     """(importer, imported) -> one file where it happens."""
-    edges: dict[tuple[str, str], str] = {}
-    for path in sorted(SRC.rglob("*.py")):
-        rel = path.relative_to(SRC.parent).with_suffix("")
-        here = _package(".".join(rel.parts).removesuffix(".__init__"))
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                if node.module == "moetext":
-                    targets = [f"moetext.{a.name}" for a in node.names]
-                else:
-                    targets = [node.module]
-            elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            else:
-                continue
-            for target in targets:
-                if target.startswith("moetext."):
-                    there = _package(target)
-                    if there != here:
-                        edges.setdefault((here, there), str(path.relative_to(SRC.parent)))
-    return edges
+    return edges_between(SRC, lambda m: _package(m) if m.startswith("moetext.") else None)
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -147,26 +155,7 @@ def _kernels_part(module: str) -> str | None:
 
 def kernels_import_edges() -> dict[tuple[str, str], str]:
     """(importer, imported) between parts of moetext.kernels -> one file where it happens."""
-    edges: dict[tuple[str, str], str] = {}
-    for path in sorted(KERNELS_DIR.rglob("*.py")):
-        rel = path.relative_to(SRC.parent).with_suffix("")
-        here = _kernels_part(".".join(rel.parts).removesuffix(".__init__"))
-        assert here is not None
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                if node.module == "moetext.kernels":
-                    targets = [f"moetext.kernels.{a.name}" for a in node.names]
-                else:
-                    targets = [node.module]
-            elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            else:
-                continue
-            for target in targets:
-                there = _kernels_part(target)
-                if there is not None and there != here:
-                    edges.setdefault((here, there), str(path.relative_to(SRC.parent)))
-    return edges
+    return edges_between(KERNELS_DIR, _kernels_part)
 
 
 def test_every_kernels_part_is_in_the_map():
