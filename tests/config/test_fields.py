@@ -57,6 +57,7 @@ RESUME_SAFE = {
             "profile_steps",
             "profile_processes",
             "grad_accum_steps",
+            "routing_trace",
         )
     ),
     *(
@@ -78,6 +79,8 @@ RESUME_SAFE = {
     ),
     "moe.aux_loss_weight",
     "moe.z_loss_weight",
+    "moe.bias_update_rate",
+    "moe.initial_bias",
     "model.remat_policy",
     "model.loss_chunk_size",
     *(

@@ -68,7 +68,7 @@ def baseline():
 def test_forward_shapes_dtypes_and_aux(baseline):
     _, _, logits, aux, _ = baseline
     assert logits.shape == (B, S, V) and logits.dtype == jnp.float32
-    assert set(aux) == AUX | {"expert_load"}
+    assert set(aux) == AUX | {"expert_load", "expert_counts"}
     assert all(aux[k].shape == () for k in AUX)
     # One row per MoE layer: the fraction of routed (token, expert) assignments per expert.
     model = baseline[0]
@@ -163,7 +163,8 @@ def test_moe_layer_pattern_follows_hf_rule():
 def test_bad_family_and_config_errors():
     # Other tests in the same worker may have registered test families, so the
     # list is matched for the shipped names, not for being exactly them.
-    with pytest.raises(ConfigError, match=r"model.family='nope' is not a .*: dense, (.*, )?qwen3_moe"):
+    unknown = r"model.family='nope' is not a .*: dense, (.*, )?qwen3_moe"
+    with pytest.raises(ConfigError, match=unknown):
         _build(tiny(family="nope"))
     with pytest.raises(ConfigError, match=r"'qwen3_mo' .*did you mean 'qwen3_moe'"):
         _build(tiny(family="qwen3_mo"))

@@ -41,9 +41,9 @@ class Fixed(Router):
         del emb_dim, init_std, param_dtype, rngs
         self.e, self.k = cfg.num_experts, cfg.num_experts_per_tok
 
-    def __call__(self, x_TD, *, segment_ids_T=None):
+    def __call__(self, x_TD, *, segment_ids_BS=None):
         t = x_TD.shape[0]
-        seg_T = jnp.zeros((t,), jnp.int32) if segment_ids_T is None else segment_ids_T
+        seg_T = jnp.zeros((t,), jnp.int32) if segment_ids_BS is None else segment_ids_BS.ravel()
         ids_TK = ((seg_T[:, None] + jnp.arange(self.k)[None]) % self.e).astype(jnp.int32)
         zero = jnp.zeros((), jnp.float32)
         return Routing(
@@ -51,7 +51,10 @@ class Fixed(Router):
             ids_TK,
             moe_loss=zero,
             losses={"load_balance_loss": zero, "router_z_loss": zero},
-            metrics={"expert_load": expert_load(ids_TK, self.e)},
+            metrics={
+                "expert_load": expert_load(ids_TK, self.e),
+                "expert_counts": expert_load(ids_TK, self.e) * ids_TK.size,
+            },
         )
 
 
@@ -75,8 +78,8 @@ class Counting(Fixed):
 class TooMany(Fixed):
     """Returns K + 1 experts per token: a broken router."""
 
-    def __call__(self, x_TD, *, segment_ids_T=None):
-        r = Fixed.__call__(self, x_TD, segment_ids_T=segment_ids_T)
+    def __call__(self, x_TD, *, segment_ids_BS=None):
+        r = Fixed.__call__(self, x_TD, segment_ids_BS=segment_ids_BS)
         ids = jnp.concatenate([r.ids_TK, r.ids_TK[:, :1]], axis=1)
         return Routing(jnp.ones(ids.shape), ids, r.moe_loss, r.losses, r.metrics)
 
@@ -208,7 +211,10 @@ def test_a_model_with_a_registered_router_keeps_the_aux_keys_and_shapes(scan):
     )
     tokens = np.arange(24, dtype=np.int32).reshape(2, 12) % 128
     _, aux = nnx.jit(lambda m, t: m(t))(model, tokens)
-    want = {k: ((), jnp.float32) for k in AUX_KEYS} | {LOAD_KEY: ((2, E), jnp.float32)}
+    want = {k: ((), jnp.float32) for k in AUX_KEYS} | {
+        LOAD_KEY: ((2, E), jnp.float32),
+        "expert_counts": ((2, E), jnp.float32),
+    }
     assert {k: (v.shape, v.dtype) for k, v in aux.items()} == want
     np.testing.assert_array_equal(aux[LOAD_KEY], [[0.5, 0.5, 0.0, 0.0]] * 2)
 

@@ -115,6 +115,27 @@ class MoEConfig:
     """dropless: sort-based grouped matmul; capacity: fixed per-expert buffers (drop overflow)."""
     capacity_factor: float = must_match(1.25)
     """Capacity dispatch only: slots per expert = ceil(capacity_factor * T * K / E)."""
+    routed_scaling_factor: float = must_match(1.0)
+    """Multiplies the routed experts' weights after any renormalisation (DeepSeek-V3: 2.5)."""
+    n_group: int = must_match(1)
+    """Expert groups for group-limited routing (DeepSeek-V2/V3); 1: no groups. Must divide
+    num_experts, with at least 2 experts per group."""
+    topk_group: int = must_match(1)
+    """With n_group > 1: each token picks its experts among its topk_group best groups (a
+    sigmoid router scores a group by the sum of its two highest biased scores, a softmax router
+    by its highest probability)."""
+    bias_update_rate: float = resume_safe(0.0)
+    """Auxiliary-loss-free balancing (sigmoid_topk): after each step, selection_bias_e += rate *
+    sign(mean load - load_e) over the global batch's non-padding tokens; 0 keeps the bias."""
+    initial_bias: tuple[float, ...] = resume_safe(())
+    """The selection bias a new run starts from, one value per expert; empty: zeros."""
+    aux_loss_scope: Literal["micro_batch", "sequence", "global_batch"] = must_match("micro_batch")
+    """Where the balance loss counts expert load: micro_batch (each micro-batch's tokens),
+    sequence (DeepSeek-V3's sequence-wise loss, per packed document) or global_batch (loads
+    accumulated over the step's micro-batches so far)."""
+    routing_override: Literal["none", "balanced", "random"] = must_match("none")
+    """Benchmarks: replace the router's choice by a perfectly balanced one (token t -> experts
+    (t*K + j) mod E) or K distinct random experts per token, weights 1/K; none: route."""
 
     def __post_init__(self) -> None:
         _positive(
@@ -122,6 +143,8 @@ class MoEConfig:
             num_experts=self.num_experts,
             num_experts_per_tok=self.num_experts_per_tok,
             moe_intermediate_size=self.moe_intermediate_size,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
         )
         if self.num_experts_per_tok > self.num_experts:
             raise ConfigError(
@@ -130,6 +153,44 @@ class MoEConfig:
             )
         if self.capacity_factor <= 0:
             raise ConfigError(f"moe.capacity_factor must be positive, got {self.capacity_factor}")
+        _check_routing(self)
+
+
+def _check_routing(m: MoEConfig) -> None:
+    """Group layout, balancing and scope fields: one ConfigError naming the fields."""
+    for name, value, valid in (
+        ("aux_loss_scope", m.aux_loss_scope, ("micro_batch", "sequence", "global_batch")),
+        ("routing_override", m.routing_override, ("none", "balanced", "random")),
+    ):
+        if value not in valid:
+            raise ConfigError(f"unknown moe.{name} {value!r}; valid: {', '.join(valid)}")
+    e, k, g, tg = m.num_experts, m.num_experts_per_tok, m.n_group, m.topk_group
+    if g > 1:
+        if e % g or e // g < 2:
+            raise ConfigError(
+                f"moe.n_group={g} must divide moe.num_experts={e} into groups of at least 2 "
+                f"experts (a group is scored by its top 2)"
+            )
+        if tg > g:
+            raise ConfigError(f"moe.topk_group={tg} exceeds moe.n_group={g}")
+        if tg * (e // g) < k:
+            raise ConfigError(
+                f"moe.topk_group={tg} groups of {e // g} experts (moe.num_experts={e} / "
+                f"moe.n_group={g}) hold fewer than moe.num_experts_per_tok={k} experts"
+            )
+    elif tg != 1:
+        raise ConfigError(f"moe.topk_group={tg} needs moe.n_group > 1 (it is {g})")
+    if m.bias_update_rate < 0:
+        raise ConfigError(f"moe.bias_update_rate must be >= 0, got {m.bias_update_rate}")
+    if m.initial_bias and len(m.initial_bias) != e:
+        raise ConfigError(
+            f"moe.initial_bias has {len(m.initial_bias)} values for moe.num_experts={e} (one "
+            f"per expert, or empty for zeros)"
+        )
+    if m.routed_scaling_factor <= 0:
+        raise ConfigError(
+            f"moe.routed_scaling_factor must be positive, got {m.routed_scaling_factor}"
+        )
 
 
 @dataclass(frozen=True)
@@ -261,6 +322,10 @@ class TrainConfig:
     profile_steps: tuple[int, int] | None = resume_safe(None)
     """[start, stop]: write a jax.profiler trace of steps start..stop-1 (numbered as logged)
     under run_dir/tensorboard/ (TensorBoard's profile plugin, or Perfetto). None: no trace."""
+    routing_trace: tuple[int, int] | None = resume_safe(None)
+    """[start, stop]: for steps start..stop (inclusive, numbered as logged) write each MoE
+    layer's chosen experts to run_dir/routing_trace/step_<n>.npz (key layer_<i>: int32
+    [B, S, K] global expert ids; process 0). None: no trace."""
     profile_processes: tuple[int, ...] = resume_safe((0,))
     """Process indices that write the profiler trace (each host writes its own)."""
     grad_accum_steps: int = resume_safe(1)
@@ -287,6 +352,13 @@ class TrainConfig:
                 raise ConfigError(
                     f"train.profile_steps={[start, stop]} must be [start, stop] with "
                     f"1 <= start < stop (steps as the log numbers them, stop exclusive)"
+                )
+        if self.routing_trace is not None:
+            start, stop = self.routing_trace
+            if not 1 <= start <= stop:
+                raise ConfigError(
+                    f"train.routing_trace={[start, stop]} must be [start, stop] with "
+                    f"1 <= start <= stop (steps as the log numbers them, stop inclusive)"
                 )
         if any(i < 0 for i in self.profile_processes):
             raise ConfigError(

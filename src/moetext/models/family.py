@@ -99,7 +99,11 @@ class ModelStateLM(CausalLM, Protocol):
     state: aux is the dict its forward returned for the step's batch (with gradient accumulation
     each entry is the mean over the micro-batches). It assigns its ModelState variables' new
     values (`var.value = ...`, traced: no host sync); a step skipped as non-finite keeps the old
-    ones."""
+    ones.
+
+    A model may also define accumulate_model_state(aux): with gradient accumulation it is
+    called after each micro-batch with that micro-batch's aux, and the next micro-batch runs on
+    the state it leaves (e.g. a global-batch load buffer, which update_model_state resets)."""
 
     def update_model_state(self, aux: dict[str, jax.Array]) -> None: ...
 

@@ -33,6 +33,8 @@ Metrics = dict[str, jax.Array]  # scalars, and per-layer arrays such as expert_l
 LossAux = tuple[jax.Array, dict[str, jax.Array], jax.Array, jax.Array]
 LossFn = Callable[[Params, Batch, ModelStates], tuple[jax.Array, LossAux]]
 GradFn = Callable[[Params, Batch, ModelStates], tuple[tuple[jax.Array, LossAux], Params]]
+# (params, model_state, a micro-batch's aux) -> the model state the next micro-batch reads.
+Accumulate = Callable[[Params, ModelStates, dict[str, jax.Array]], Any]
 # What the update needs of the loss besides the gradient: (loss, ce, the model's aux dict).
 Losses = tuple[jax.Array, jax.Array, dict[str, jax.Array]]
 
@@ -121,7 +123,11 @@ def make_train_step_parts(
     grad_fn: GradFn = jax.value_and_grad(loss_fn, has_aux=True)
     if grad_accum_steps > 1:
         grad_fn = accumulated_value_and_grad(
-            loss_fn, grad_accum_steps, param_shardings, batch_sharding
+            loss_fn,
+            grad_accum_steps,
+            param_shardings,
+            batch_sharding,
+            accumulate=make_accumulate(graphdef, rest),
         )
 
     def train_step_gradient(state: TrainState, batch: Batch) -> tuple[Params, Losses]:
@@ -174,11 +180,29 @@ def make_train_step_parts(
     return train_step_gradient, train_step_update
 
 
+def make_accumulate(graphdef: nnx.GraphDef[Any], rest: nnx.State[Any, Any]) -> Accumulate:
+    """accumulate(params, model_state, aux) -> the model state after one micro-batch: the
+    model's `accumulate_model_state(aux)` (models.ModelStateLM, optional) on a copy; the state
+    unchanged for a model without it or without ModelState."""
+
+    def accumulate(params: Params, model_state: ModelStates, aux: dict[str, jax.Array]) -> Any:
+        if not jax.tree.leaves(model_state):
+            return model_state
+        model = nnx.merge(graphdef, params, model_state, rest, copy=True)
+        if not hasattr(model, "accumulate_model_state"):
+            return model_state
+        model.accumulate_model_state(aux)
+        return nnx.state(model, ModelState)
+
+    return accumulate
+
+
 def accumulated_value_and_grad(
     loss_fn: LossFn,
     n: int,
     param_shardings: Any = None,
     batch_sharding: NamedSharding | None = None,
+    accumulate: Accumulate | None = None,
 ) -> GradFn:
     """jax.value_and_grad(loss_fn, has_aux=True) of the whole batch, computed as a lax.scan
     over n micro-batches of B / n rows: one micro-batch's activations live at a time.
@@ -190,6 +214,10 @@ def accumulated_value_and_grad(
     equal to the whole batch's). ce and nll_sum/count are the whole batch's; the model's aux
     outputs (moe_loss, expert_load, ...) are the mean over micro-batches. Gradients accumulate
     in float32 (or wider params' dtype) and come back in the params' dtype.
+
+    accumulate (`make_accumulate`): the model state each micro-batch sees is the one the
+    previous micro-batches left (a router's global-batch load buffer); without it every
+    micro-batch reads the step's model state.
     """
 
     def micro_loss(
@@ -215,13 +243,16 @@ def accumulated_value_and_grad(
         total = jnp.maximum(count, 1.0)
         micro = {k: split_micro_batches(v, n, batch_sharding) for k, v in batch.items()}
 
-        def body(acc: Params, mb: Batch) -> tuple[Params, tuple[Any, ...]]:
-            (_, (aux, nll_sum)), grads = micro_grad(params, mb, total, model_state)
+        def body(carry: tuple[Params, Any], mb: Batch) -> tuple[Any, tuple[Any, ...]]:
+            acc, ms = carry
+            (_, (aux, nll_sum)), grads = micro_grad(params, mb, total, ms)
             acc = pin(jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads))
-            return acc, (aux, nll_sum)
+            if accumulate is not None:
+                ms = accumulate(params, ms, aux)
+            return (acc, ms), (aux, nll_sum)
 
         zeros = pin(jax.tree.map(lambda p: jnp.zeros(p.shape, _acc_dtype(p)), params))
-        acc, (auxs, nll_sums) = jax.lax.scan(body, zeros, micro)
+        (acc, _), (auxs, nll_sums) = jax.lax.scan(body, (zeros, model_state), micro)
         grads = jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
         aux = {k: jnp.mean(v, axis=0) for k, v in auxs.items()}
         nll_sum = jnp.sum(nll_sums)

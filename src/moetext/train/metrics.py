@@ -15,6 +15,8 @@ import numpy.typing as npt
 from etils import epath
 
 from moetext.models.moe import LOAD_KEY  # expert_load [num_moe_layers, E] in a metrics row
+from moetext.models.moe.block import COUNTS_KEY, DROPPED_KEY
+from moetext.models.moe.routers import BIAS_KEY
 from moetext.train.tensorboard import TensorBoardSink, numeric
 
 
@@ -34,13 +36,45 @@ def imbalance(load_LE: npt.ArrayLike) -> npt.NDArray[np.float64]:
     return out
 
 
+def max_violation(counts_LE: npt.ArrayLike) -> npt.NDArray[np.float64]:
+    """DeepSeek's MaxVio per layer: max load / mean load - 1 (0.0 is perfectly balanced)."""
+    return imbalance(counts_LE) - 1.0
+
+
+def per_layer_scalars(arrays: dict[str, np.ndarray], layer_ids: Sequence[int]) -> dict[str, float]:
+    """A row's per-layer statistics ([num_moe_layers, ...] each) as the scalars metrics.jsonl
+    keeps, tagged by decoder layer: expert_imbalance/layer_<i> (max / mean load),
+    max_vio/layer_<i> (that - 1, over the non-padding tokens), dropped_fraction/layer_<i>
+    (capacity dispatch), selection_bias_{min,max,std}/layer_<i> (biased routers). Other arrays
+    (a routing trace's ids) are not scalars and are left out."""
+    out: dict[str, float] = {}
+
+    def put(name: str, values: npt.ArrayLike) -> None:
+        for i, x in zip(layer_ids, np.asarray(values, np.float64), strict=True):
+            out[f"{name}/layer_{i}"] = float(x)
+
+    if LOAD_KEY in arrays:
+        put("expert_imbalance", imbalance(arrays[LOAD_KEY]))
+    if COUNTS_KEY in arrays:
+        put("max_vio", max_violation(arrays[COUNTS_KEY]))
+    if DROPPED_KEY in arrays:
+        put("dropped_fraction", arrays[DROPPED_KEY])
+    if BIAS_KEY in arrays:
+        bias = np.asarray(arrays[BIAS_KEY], np.float64)
+        put("selection_bias_min", bias.min(axis=-1))
+        put("selection_bias_max", bias.max(axis=-1))
+        put("selection_bias_std", bias.std(axis=-1))
+    return out
+
+
 class MetricsLog:
     """Appends one JSON object per logged step, mirrors it to TensorBoard, drives the bar.
 
-    A row's expert_load [num_moe_layers, E] goes to TensorBoard as histograms; metrics.jsonl
-    gets its max/mean imbalance per layer as scalars expert_imbalance/layer_<i> (i: the
-    decoder layer, from moe_pattern). On start, rows after start_step left by an interrupted
-    run are dropped, so a resumed run's file reads as one run.
+    A row's per-layer arrays (expert_load, expert_counts, selection_bias, ... [num_moe_layers,
+    ...]) become per-layer scalars (`per_layer_scalars`; i: the decoder layer, from
+    moe_pattern) in metrics.jsonl and TensorBoard, and TensorBoard histograms of the expert
+    load and the selection bias. On start, rows after start_step left by an interrupted run are
+    dropped, so a resumed run's file reads as one run.
     """
 
     def __init__(
@@ -90,18 +124,23 @@ class MetricsLog:
             print(line, flush=True)
 
     def write(self, record: dict[str, Any]) -> None:
-        record = dict(record)
-        load = record.pop(LOAD_KEY, None)
+        arrays = {k: v for k, v in record.items() if isinstance(v, np.ndarray) and v.ndim}
+        record = {k: v for k, v in record.items() if k not in arrays}
         layer_ids: list[int] = []
-        if load is not None:
-            n = len(load)
+        if arrays:
+            n = len(next(iter(arrays.values())))
             layer_ids = self._layer_ids if len(self._layer_ids) == n else list(range(n))
-            per_layer = imbalance(load)
-            for i, x in zip(layer_ids, per_layer, strict=True):
-                record[f"expert_imbalance/layer_{i}"] = float(x)
+        layer_scalars = per_layer_scalars(arrays, layer_ids)
+        shown = dict(record)
+        record.update(layer_scalars)
         if self._tb is not None:
-            self._tb.write(int(record["step"]), numeric(record), load, layer_ids)
-        shown = {k: v for k, v in record.items() if not k.startswith("expert_imbalance/")}
+            self._tb.write(
+                int(record["step"]),
+                numeric(record),
+                arrays.get(LOAD_KEY),
+                layer_ids,
+                bias=arrays.get(BIAS_KEY),
+            )
         record = {k: _plain(v) for k, v in record.items()}
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")

@@ -2,7 +2,8 @@
 
 Every numeric field of a metrics row becomes a scalar at its step; a per-layer expert load
 [num_moe_layers, E] becomes one histogram per MoE layer, tag expert_load/layer_<i>, whose
-bucket e (x = expert id) holds the fraction of that layer's routed assignments expert e got.
+bucket e (x = expert id) holds the fraction of that layer's routed assignments expert e got;
+a biased router's selection bias [num_moe_layers, E] a histogram of its values per layer.
 View with `tensorboard --logdir RUN_DIR`.
 """
 
@@ -32,12 +33,21 @@ class TensorBoardSink:
         scalars: Mapping[str, float],
         expert_load: np.ndarray | None = None,
         layer_ids: Sequence[int] = (),
+        *,
+        bias: np.ndarray | None = None,
     ) -> None:
+        """bias: a biased router's selection bias [num_moe_layers, E], written as a histogram of
+        its values per layer (selection_bias/layer_<i>)."""
         for tag, value in scalars.items():
             self._w.add_scalar(tag, value, step)
         if expert_load is not None:
             for i, load_E in zip(layer_ids, expert_load, strict=True):
                 self._histogram(f"expert_load/layer_{i}", np.asarray(load_E, np.float64), step)
+        if bias is not None:
+            for i, bias_E in zip(layer_ids, bias, strict=True):
+                self._w.add_histogram(
+                    f"selection_bias/layer_{i}", np.asarray(bias_E, np.float64), step
+                )
         self._w.flush()
 
     def _histogram(self, tag: str, load_E: np.ndarray, step: int) -> None:

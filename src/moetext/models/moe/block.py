@@ -9,7 +9,10 @@ M = T*K assignment rows, C capacity slots per expert.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -19,20 +22,54 @@ from jax.typing import DTypeLike
 from moetext.config.schema import MoEConfig
 from moetext.kernels.gmm import Gmm
 from moetext.models.layers.mlp import SwiGLU
-from moetext.models.layers.params import make_param, normal
+from moetext.models.layers.params import make_model_state, make_param, normal
 from moetext.models.moe import decode as moe_decode
 from moetext.models.moe import dispatch as dsp
 from moetext.models.moe import ep
 from moetext.models.moe.experts import Experts
-from moetext.models.moe.routers import LOAD_KEY, LOSS_KEYS, Router, Routing, build_router
+from moetext.models.moe.routers import (
+    COUNTS_KEY,
+    LOAD_KEY,
+    LOSS_KEYS,
+    Router,
+    Routing,
+    build_router,
+)
 
-__all__ = ["AUX_KEYS", "DISPATCH_MODES", "LOAD_KEY", "MoEBlock", "check_moe_config", "zero_aux"]
+__all__ = [
+    "AUX_KEYS",
+    "COUNTS_KEY",
+    "DISPATCH_MODES",
+    "DROPPED_KEY",
+    "IDS_KEY",
+    "LOAD_KEY",
+    "MoEBlock",
+    "capture_expert_ids",
+    "check_moe_config",
+    "zero_aux",
+]
 
 DISPATCH_MODES = ("dropless", "capacity")
-# The scalars of every layer's aux (zeros for a layer without MoE). Besides them, aux[LOAD_KEY]
-# is the layer's expert_load f_E (fraction of the routed assignments per expert, float32 [E]);
-# only MoE layers return it.
+OVERRIDES = ("none", "balanced", "random")
+# The scalars of every layer's aux (zeros for a layer without MoE); a model reports each as the
+# mean over its MoE layers. Every other key of an MoE layer's aux is a per-layer statistic (the
+# router's metrics: expert_load, expert_counts, ...; DROPPED_KEY under capacity dispatch;
+# IDS_KEY while capturing), which a model stacks into [num_moe_layers, ...] in layer order.
 AUX_KEYS = ("moe_loss", *LOSS_KEYS, "dropped_fraction")
+DROPPED_KEY = "layer_dropped_fraction"  # float32 scalar per layer (capacity dispatch)
+IDS_KEY = "expert_ids"  # int32 [T, K] per layer, only inside capture_expert_ids()
+_CAPTURE = contextvars.ContextVar("capture_expert_ids", default=False)
+
+
+@contextlib.contextmanager
+def capture_expert_ids() -> Iterator[None]:
+    """While tracing inside this context, every MoE block adds its chosen experts (IDS_KEY,
+    int32 [T, K] global ids) to its aux (train.routing_trace); outside it they are not output."""
+    token = _CAPTURE.set(True)
+    try:
+        yield
+    finally:
+        _CAPTURE.reset(token)
 
 
 def zero_aux() -> dict[str, jax.Array]:
@@ -44,6 +81,10 @@ def check_moe_config(cfg: MoEConfig) -> None:
     e, k = cfg.num_experts, cfg.num_experts_per_tok
     if e < 1 or not 1 <= k <= e:
         raise ValueError(f"need 1 <= num_experts_per_tok ({k}) <= num_experts ({e})")
+    if cfg.routing_override not in OVERRIDES:
+        raise ValueError(
+            f"unknown moe.routing_override {cfg.routing_override!r}; valid: {', '.join(OVERRIDES)}"
+        )
     if cfg.dispatch not in DISPATCH_MODES:
         raise ValueError(
             f"unknown moe.dispatch {cfg.dispatch!r}; valid: {', '.join(DISPATCH_MODES)}"
@@ -69,6 +110,10 @@ class MoEBlock(nnx.Module):
     before the experts'); None builds the one `cfg.router` names from `rngs`.
     shared_expert_gate: scale the shared experts' output per token by sigmoid(x @ w [D, 1])
     (Qwen2-MoE; needs cfg.num_shared_experts >= 1).
+
+    cfg.routing_override (benchmarks) replaces the router's choice after it ran (its losses and
+    metrics stay the router's): balanced sends token t to experts (t*K + j) mod E, random to K
+    distinct experts drawn from `override_key` (ModelState, advanced every step), weights 1/K.
     """
 
     def __init__(
@@ -129,6 +174,9 @@ class MoEBlock(nnx.Module):
             self.shared_gate = make_param(
                 rngs, normal(init_std), (emb_dim, 1), ("embed", None), param_dtype
             )
+        if cfg.routing_override == "random":
+            key = jax.random.key_data(rngs.params())  # one stream per layer
+            self.override_key = make_model_state(key.astype(jnp.uint32), (None,))
 
     def __call__(
         self, x_BSD: jax.Array, segment_ids_BS: jax.Array | None = None
@@ -136,10 +184,15 @@ class MoEBlock(nnx.Module):
         b, s, d = x_BSD.shape
         x_TD = x_BSD.reshape(b * s, d).astype(self.dtype)
         routing = self._route(x_TD, segment_ids_BS)
+        per_layer: dict[str, jax.Array] = {}
         if self.cfg.dispatch == "dropless":
             y_TKD, dropped = self._dropless(x_TD, routing.ids_TK), jnp.zeros((), jnp.float32)
         else:
-            y_TKD, dropped = self._capacity(x_TD, routing.ids_TK)
+            valid_T = None if segment_ids_BS is None else segment_ids_BS.reshape(-1) > 0
+            y_TKD, dropped = self._capacity(x_TD, routing.ids_TK, valid_T)
+            per_layer[DROPPED_KEY] = dropped
+        if _CAPTURE.get():
+            per_layer[IDS_KEY] = routing.ids_TK
         y_TD = dsp.combine(y_TKD, routing.weights_TK, self.dtype)
         if self.shared is not None:
             y_TD = y_TD + self._shared(x_TD)
@@ -148,13 +201,23 @@ class MoEBlock(nnx.Module):
             **routing.losses,
             "dropped_fraction": dropped,
             **routing.metrics,
+            **per_layer,
         }
         return y_TD.reshape(b, s, d), aux
 
     def update_state(self, metrics: Mapping[str, jax.Array]) -> None:
         """The router's non-parameter state update from this layer's aux of a train step (see
-        `Router.update_state`); called outside the gradient, after the optimizer update."""
+        `Router.update_state`), and the random override's key advanced; called outside the
+        gradient, after the optimizer update."""
         self.router.update_state(metrics)
+        if self.cfg.routing_override == "random":
+            key = jax.random.wrap_key_data(self.override_key[...])
+            self.override_key.value = jax.random.key_data(jax.random.fold_in(key, 1))
+
+    def accumulate_state(self, metrics: Mapping[str, jax.Array]) -> None:
+        """The router's state update after one micro-batch of an accumulated step (see
+        `Router.accumulate_state`)."""
+        self.router.accumulate_state(metrics)
 
     def decode(self, x_BSD: jax.Array) -> jax.Array:
         """The layer's output without the auxiliary losses, for decoding. With prefused experts
@@ -172,19 +235,32 @@ class MoEBlock(nnx.Module):
         return y_TD.reshape(b, s, d)
 
     def _route(self, x_TD: jax.Array, segment_ids_BS: jax.Array | None) -> Routing:
-        """The router's Routing for x_TD, its shapes and keys checked (at trace time)."""
-        seg_T = None if segment_ids_BS is None else segment_ids_BS.reshape(-1)
-        routing = self.router(x_TD, segment_ids_T=seg_T)
+        """The router's Routing for x_TD (then the override's choice, if any), its shapes and
+        keys checked (at trace time)."""
+        routing = self.router(x_TD, segment_ids_BS=segment_ids_BS)
         want = (x_TD.shape[0], self.cfg.num_experts_per_tok)
         missing = [k for k in LOSS_KEYS if k not in routing.losses]
-        missing += [k for k in (LOAD_KEY,) if k not in routing.metrics]
+        missing += [k for k in (LOAD_KEY, COUNTS_KEY) if k not in routing.metrics]
         if routing.ids_TK.shape != want or routing.weights_TK.shape != want or missing:
             raise ValueError(
                 f"router {type(self.router).__name__} returned ids {routing.ids_TK.shape} and "
                 f"weights {routing.weights_TK.shape} for [T, K] = {list(want)}"
                 + (f", without {missing}" if missing else "")
             )
-        return routing
+        if self.cfg.routing_override == "none":
+            return routing
+        return self._override(routing)
+
+    def _override(self, routing: Routing) -> Routing:
+        """Routing with the benchmark override's experts, weights 1/K."""
+        (t, k), e = routing.ids_TK.shape, self.cfg.num_experts
+        if self.cfg.routing_override == "balanced":
+            ids_TK = (jnp.arange(t)[:, None] * k + jnp.arange(k)[None, :]) % e
+        else:  # random: the K largest of E uniform draws are K distinct experts
+            key = jax.random.wrap_key_data(self.override_key[...])
+            ids_TK = jax.lax.top_k(jax.random.uniform(key, (t, e)), k)[1]
+        weights_TK = jnp.full((t, k), 1.0 / k, jnp.float32)
+        return dataclasses.replace(routing, weights_TK=weights_TK, ids_TK=ids_TK.astype(jnp.int32))
 
     def _shared(self, x_TD: jax.Array) -> jax.Array:
         """The shared experts' output, scaled per token by sigmoid(x @ w) under
@@ -206,11 +282,15 @@ class MoEBlock(nnx.Module):
         ys_MD = self.experts.grouped(xs_MD, group_sizes_E, self.gmm)
         return dsp.unpermute(ys_MD, order_M, ids_TK.shape[1])
 
-    def _capacity(self, x_TD: jax.Array, ids_TK: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def _capacity(
+        self, x_TD: jax.Array, ids_TK: jax.Array, valid_T: jax.Array | None
+    ) -> tuple[jax.Array, jax.Array]:
+        """-> (y_TKD, the fraction of the non-padding tokens' assignments dropped)."""
         e = self.cfg.num_experts
         t, k = ids_TK.shape
         cap = dsp.capacity(t, k, e, self.cfg.capacity_factor)
         pos_TK, keep_TK = dsp.capacity_slots(ids_TK, e, cap)
         y_ECD = self.experts.batched(dsp.to_buffers(x_TD, ids_TK, pos_TK, e, cap))
-        dropped = 1.0 - jnp.mean(keep_TK.astype(jnp.float32))
-        return dsp.from_buffers(y_ECD, ids_TK, pos_TK), dropped
+        w_T1 = jnp.ones((t, 1), jnp.float32) if valid_T is None else valid_T[:, None]
+        kept = jnp.sum(keep_TK.astype(jnp.float32) * w_T1) / jnp.maximum(k * jnp.sum(w_T1), 1.0)
+        return dsp.from_buffers(y_ECD, ids_TK, pos_TK), 1.0 - kept

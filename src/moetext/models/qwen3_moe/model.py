@@ -27,8 +27,9 @@ from moetext.models.layers.norms import RMSNorm
 from moetext.models.layers.params import as_dtype, make_param, normal
 from moetext.models.layers.rope import rope_cos_sin
 from moetext.models.layers.rowdot import dot_rows
-from moetext.models.moe.block import AUX_KEYS, LOAD_KEY, MoEBlock, zero_aux
+from moetext.models.moe.block import MoEBlock, zero_aux
 from moetext.models.moe.experts import gmm_from_config
+from moetext.models.moe.layers import AuxAccumulator, for_each_moe_block
 from moetext.models.moe.routers import build_router
 from moetext.models.qwen3_moe.config import QwenModelConfig, QwenMoEConfig
 from moetext.sharding.logical import constrain
@@ -127,7 +128,7 @@ class DecoderLayer(nnx.Module):
         h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_BSH, sin_BSH, segment_ids_BS)
         aux: Aux
         if isinstance(self.mlp, MoEBlock):
-            y_BSD, aux = self.mlp(self.mlp_norm(h_BSD))
+            y_BSD, aux = self.mlp(self.mlp_norm(h_BSD), segment_ids_BS)
         else:
             y_BSD, aux = self.mlp(self.mlp_norm(h_BSD)), zero_aux()
         return constrain(h_BSD + y_BSD, ACT_NAMES), aux
@@ -191,8 +192,14 @@ class Decoder(nnx.Module):
 
     aux: float32 scalars moe_loss (weighted, ready to add to the CE loss), load_balance_loss,
     router_z_loss, dropped_fraction; each is the mean over MoE layers (zeros with none). With MoE
-    layers also expert_load float32 [num_moe_layers, E]: per MoE layer, in layer order, the
-    fraction of routed assignments each expert received (rows sum to 1).
+    layers also the blocks' per-layer statistics stacked [num_moe_layers, ...] in layer order
+    (models/moe/layers.py): expert_load [N, E] (the fraction of the non-padding tokens'
+    assignments each expert received; rows sum to 1), expert_counts [N, E], and what the router
+    adds (sigmoid_topk: selection_bias [N, E]).
+
+    Its routers' non-parameter state (a selection bias, a global-batch load buffer) is updated
+    by `update_model_state(aux)` after each optimizer step and `accumulate_model_state(aux)`
+    after each micro-batch (models.ModelStateLM).
     """
 
     def __init__(
@@ -288,13 +295,23 @@ class Decoder(nnx.Module):
             )
         cos_BSH, sin_BSH = rope_cos_sin(positions_BS, cfg.head_dim, cfg.rope_theta)
         x_BSD = jnp.take(self.embed[...], tokens_BS, axis=0).astype(self.dtype)
-        x_BSD, aux_sum, loads = self._run_layers(x_BSD, cos_BSH, sin_BSH, segment_ids_BS)
-        x_BSD = self.final_norm(x_BSD)
-        n = max(self.num_moe_layers, 1)
-        aux = {key: aux_sum[key] / n for key in AUX_KEYS}
-        if loads:
-            aux[LOAD_KEY] = jnp.concatenate(loads, axis=0)
-        return x_BSD, aux
+        x_BSD, aux = self._run_layers(x_BSD, cos_BSH, sin_BSH, segment_ids_BS)
+        return self.final_norm(x_BSD), aux
+
+    def update_model_state(self, aux: Aux) -> None:
+        """After an optimizer step: each MoE block updates its router's state from its rows of
+        the step's aux (e.g. the aux-loss-free selection bias)."""
+        for_each_moe_block(self._moe_groups(), aux, "update_state")
+
+    def accumulate_model_state(self, aux: Aux) -> None:
+        """After one micro-batch of an accumulated step (e.g. the global-batch load buffer)."""
+        for_each_moe_block(self._moe_groups(), aux, "accumulate_state")
+
+    def _moe_groups(self) -> list[tuple[nnx.Module, int, bool]]:
+        if self.cfg.scan_layers:
+            runs = zip(self.stacks, self.segments, strict=True)
+            return [(stack, count, True) for stack, (is_moe, count) in runs if is_moe]
+        return [(layer, 1, False) for layer in self.layers if layer.use_moe]
 
     def head_VD(self) -> jax.Array:
         """The LM head's weight [V, D] in the param dtype (the embedding when tied)."""
@@ -359,10 +376,10 @@ class Decoder(nnx.Module):
         cos_BSH: jax.Array,
         sin_BSH: jax.Array,
         segment_ids_BS: jax.Array | None,
-    ) -> tuple[jax.Array, Aux, list[jax.Array]]:
-        """-> (x_BSD, summed scalar aux, the MoE layers' expert loads: a list of [n, E])."""
+    ) -> tuple[jax.Array, Aux]:
+        """-> (x_BSD, the model's aux: see the class docstring)."""
         policy = self.cfg.remat_policy
-        aux_sum, loads = zero_aux(), []
+        acc = AuxAccumulator(self.num_moe_layers)
         if self.cfg.scan_layers:
             for stack in self.stacks:
                 graphdef, state = nnx.split(stack)
@@ -374,19 +391,15 @@ class Decoder(nnx.Module):
                     return step(x, st, cos_BSH, sin_BSH, segment_ids_BS)
 
                 x_BSD, aux_L = jax.lax.scan(body, x_BSD, state)
-                aux_sum = {k: aux_sum[k] + jnp.sum(aux_L[k]) for k in AUX_KEYS}
-                if LOAD_KEY in aux_L:
-                    loads.append(aux_L[LOAD_KEY])  # [L, E]: scan stacked the layers' loads
+                acc.add_stack(aux_L)  # scan stacked the layers' aux: [L, ...]
         else:
             for layer in self.layers:
                 graphdef, state = nnx.split(layer)
                 x_BSD, aux = _layer_step(graphdef, policy, in_scan=False)(
                     x_BSD, state, cos_BSH, sin_BSH, segment_ids_BS
                 )
-                aux_sum = {k: aux_sum[k] + aux[k] for k in AUX_KEYS}
-                if LOAD_KEY in aux:
-                    loads.append(aux[LOAD_KEY][None])
-        return x_BSD, aux_sum, loads
+                acc.add_layer(aux)
+        return x_BSD, acc.result()
 
 
 def _make_stack(

@@ -3,7 +3,8 @@
 Legend: T tokens (B*S flattened), D emb_dim, E experts, K experts per token.
 
     router = build_router(cfg.moe, emb_dim=..., init_std=..., param_dtype=..., rngs=...)
-    routing = router(x_TD)                      # weights_TK, ids_TK, moe_loss, losses, metrics
+    routing = router(x_TD, segment_ids_BS=seg)  # weights_TK, ids_TK, moe_loss, losses, metrics
+    router.accumulate_state(metrics)            # after each micro-batch of an accumulated step
     router.update_state(metrics)                # after the optimizer update; no-op by default
 
 `moe.router: <name>` picks the class registered under that name (`register_router`); the MoE
@@ -29,6 +30,8 @@ from moetext.errors import ConfigError
 # (a scanned stack, the trainer's metrics and the logs need one shape).
 LOSS_KEYS = ("load_balance_loss", "router_z_loss")
 LOAD_KEY = "expert_load"
+# Non-padding assignments per expert (float32 [E]): what load balancing acts on.
+COUNTS_KEY = "expert_counts"
 
 
 @jax.tree_util.register_dataclass
@@ -46,8 +49,9 @@ class Routing:
     losses: dict[str, jax.Array]
     """Unweighted float32 scalars by name, for the logs; holds at least LOSS_KEYS."""
     metrics: dict[str, jax.Array]
-    """Per-layer statistics, e.g. expert_load float32 [E] (the fraction of the T*K assignments
-    routed to each expert, before any capacity drop); holds at least LOAD_KEY."""
+    """Per-layer statistics over the non-padding tokens: expert_load float32 [E] (the fraction
+    of their assignments routed to each expert, before any capacity drop) and expert_counts
+    (the assignments themselves); holds at least LOAD_KEY and COUNTS_KEY."""
 
 
 class Router(nnx.Module):
@@ -56,11 +60,16 @@ class Router(nnx.Module):
     bias), and are constructed as `Cls(cfg: MoEConfig, *, emb_dim, init_std, param_dtype,
     rngs)` (see `RouterBuilder`)."""
 
-    def __call__(self, x_TD: jax.Array, *, segment_ids_T: jax.Array | None = None) -> Routing:
-        """x_TD in the compute dtype. segment_ids_T (None: all tokens are one document) is the
-        packed document of each token, 0 for padding, for routers whose losses or statistics
-        look at documents; a router may ignore it."""
+    def __call__(self, x_TD: jax.Array, *, segment_ids_BS: jax.Array | None = None) -> Routing:
+        """x_TD in the compute dtype, T = B*S in row order. segment_ids_BS (None: every token
+        counts, each row one document) is the packed document of each token, 0 for padding:
+        padding is left out of every loss, load and statistic."""
         raise NotImplementedError(f"{type(self).__name__} must define __call__")
+
+    def accumulate_state(self, metrics: Mapping[str, jax.Array]) -> None:
+        """Updates non-parameter state after each micro-batch of an accumulated step (the
+        micro-batch's aux of this layer), before the next one runs; the default does nothing."""
+        del metrics
 
     def update_state(self, metrics: Mapping[str, jax.Array]) -> None:
         """Updates non-parameter state from one train step's metrics of this layer (the block's
