@@ -6,7 +6,8 @@
                      (`moetext.config.fields`): on resume (`check_config`), for loaded params
                      (`shape_mismatches`)
     meta.py          the meta item (step, resolved config): `read_meta_config`
-    params.py        params-only reads: `load_params` onto a run's shardings (either layer
+    params.py        params-only reads: `load_params` (and `load_model_state`) onto a run's
+                     shardings (either layer
                      layout), `read_item` for any named item of the saved state, `LeafReader`
                      one NumPy leaf at a time
     write.py         a params-only checkpoint from host arrays (conversion), through
@@ -25,6 +26,7 @@ from moetext.checkpoint.params import (
     LeafReader,
     Params,
     ParamsTarget,
+    load_model_state,
     load_params,
     read_item,
     saved_items,
@@ -40,6 +42,7 @@ __all__ = [
     "ParamsTarget",
     "abstract_like",
     "check_config",
+    "load_model_state",
     "load_params",
     "read_item",
     "read_meta_config",

@@ -4,6 +4,8 @@ conversion to Hugging Face).
 
 The source is any moetext checkpoint directory (a run's `checkpoints/<step>/` or a converted
 checkpoint); only one item of its `state/` is read, by orbax partial restore: `params` here.
+`load_model_state` reads the `model_state` item likewise (a router's selection bias: decoding
+and a new run from a checkpoint need it as much as the params).
 `read_item(directory, name, abstract)` restores any named item of the saved train state the
 same way, each array straight onto the caller's sharding and dtype.
 
@@ -38,6 +40,7 @@ Params = nnx.State[Any, Any]
 # Pure-dict params (nnx.to_pure_dict) of one layer layout -> the other, for a model config.
 Relayout = Callable[[dict[str, Any], ModelConfig], dict[str, Any]]
 PARAMS = "params"  # the train state's item holding the model's nnx.Param state
+MODEL_STATE = "model_state"  # ... and the one holding its models.ModelState variables
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,14 +65,16 @@ class ParamsTarget:
         *,
         stack_layers: Relayout | None = None,
         unstack_layers: Relayout | None = None,
+        kind: Any = nnx.Param,
     ) -> ParamsTarget:
-        """The nnx.Param state of the module `build_model(cfg)` returns (traced, never
-        allocated; cfg's model.scan_layers set to each layout asked for), each leaf with the
-        sharding `shardings_for` (a sharding plan's) gives it."""
+        """The `kind` state (nnx.Param; models.ModelState for the model state) of the module
+        `build_model(cfg)` returns (traced, never allocated; cfg's model.scan_layers set to
+        each layout asked for), each leaf with the sharding `shardings_for` (a sharding plan's)
+        gives it."""
 
         def abstract(scan_layers: bool) -> Params:
             c = cfg.replace(model=dataclasses.replace(cfg.model, scan_layers=scan_layers))
-            params = jax.eval_shape(lambda: nnx.state(build_model(c), nnx.Param))
+            params = jax.eval_shape(lambda: nnx.state(build_model(c), kind))
             out: Params = jax.tree.map(
                 # jax: ShapeDtypeStruct.__init__ is unannotated.
                 lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),  # type: ignore[no-untyped-call]
@@ -128,10 +133,31 @@ def load_params(directory: str, cfg: Config, target: ParamsTarget) -> Params:
     tree = saved_items(d)
     if PARAMS not in tree:
         raise ConfigError(f"{where}: {d / STATE} holds no params")
-    saved_scanned = "stacks" in tree[PARAMS]
+    return _load_item(d, cfg, target, PARAMS, "stacks" in tree[PARAMS], where)
+
+
+def load_model_state(directory: str, cfg: Config, target: ParamsTarget) -> Params | None:
+    """The model state (models.ModelState variables, item `model_state`: e.g. a router's
+    selection bias) of checkpoint `directory` for a run of cfg, laid out and sharded as
+    `target` (made with kind=ModelState) says; None when the checkpoint holds none (a model
+    without model state, or a conversion that wrote params only). Call after `load_params`,
+    which checks the directory."""
+    d = epath.Path(directory)
+    tree = saved_items(d)
+    if MODEL_STATE not in tree or not jax.tree.leaves(target.abstract(cfg.model.scan_layers)):
+        return None
+    saved_scanned = "stacks" in tree[MODEL_STATE]
+    where = f"the model state of {directory}"
+    return _load_item(d, cfg, target, MODEL_STATE, saved_scanned, where)
+
+
+def _load_item(
+    d: epath.Path, cfg: Config, target: ParamsTarget, item: str, saved_scanned: bool, where: str
+) -> Params:
+    """Item `item` of checkpoint d onto target's layout, relaid out from the saved one."""
     abstract = target.abstract(cfg.model.scan_layers)
     if saved_scanned == cfg.model.scan_layers:
-        params: Params = read_item(d, PARAMS, abstract)
+        params: Params = read_item(d, item, abstract)
         return params
     relayout = target.stack_layers if cfg.model.scan_layers else target.unstack_layers
     if relayout is None:
@@ -140,7 +166,7 @@ def load_params(directory: str, cfg: Config, target: ParamsTarget) -> Params:
             f"{cfg.model.family!r} cannot change the layer layout: set model.scan_layers="
             f"{str(saved_scanned).lower()}"
         )
-    restored = read_item(d, PARAMS, target.abstract(saved_scanned))
+    restored = read_item(d, item, target.abstract(saved_scanned))
     out_shardings = nnx.to_pure_dict(jax.tree.map(lambda x: x.sharding, abstract))
 
     def convert(pure: dict[str, Any]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from moetext.errors import ConfigError
 from moetext.generate.decode import Generated, generate_ids
 from moetext.generate.sampling import Sampling
 from moetext.models.moe.decode import prefuse_all
-from moetext.program import make_plan, params_target
+from moetext.program import initial_model_state, make_plan, model_state_target, params_target
 from moetext.sharding.plan import Plan
 
 
@@ -57,8 +57,9 @@ def load(
     overrides: Sequence[str] = (),
     tokenizer: str | None = None,
 ) -> tuple[Config, Any, Tokenizer]:
-    """(config, model with the checkpoint's params, tokenizer). The model is built unscanned
-    (decoding's layout; a scanned checkpoint is unstacked on load) and its experts prefused
+    """(config, model with the checkpoint's params and model state, tokenizer). The model is
+    built unscanned (decoding's layout; a scanned checkpoint is unstacked on load) and its
+    experts prefused
     (models/moe/decode.py): it decodes, it does not train."""
     cfg = config_lib.load(config_path, overrides)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=False))
@@ -74,11 +75,16 @@ def load(
         )
     plan = make_plan(cfg)
     params = checkpoint_lib.load_params(checkpoint, cfg, params_target(cfg, plan))
+    # The model state (a router's selection bias) routes tokens as much as the params do: the
+    # checkpoint's, else the one a new model starts with.
+    model_state = checkpoint_lib.load_model_state(checkpoint, cfg, model_state_target(cfg, plan))
+    if model_state is None:
+        model_state = initial_model_state(cfg, plan)
     abstract = nnx.eval_shape(
         lambda: models.build(cfg.model, cfg.moe, cfg.kernels, rngs=nnx.Rngs(params=0))
     )
-    graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)  # type: ignore[misc]
-    model = nnx.merge(graphdef, params, rest)
+    graphdef, _, _, rest = nnx.split(abstract, nnx.Param, models.ModelState, ...)  # type: ignore[misc]
+    model = nnx.merge(graphdef, params, model_state, rest)
     prefuse_all(model)  # decoding's expert layout: one [E, D, 2F] gate|up weight per layer
     return cfg, model, tok
 

@@ -98,7 +98,7 @@ class ModelStateLM(CausalLM, Protocol):
     inside the jitted step, on the model merged from the new params and the current model
     state: aux is the dict its forward returned for the step's batch (with gradient accumulation
     each entry is the mean over the micro-batches). It assigns its ModelState variables' new
-    values (`var.value = ...`, traced: no host sync); a step skipped as non-finite keeps the old
+    values (`var[...] = ...`, traced: no host sync); a step skipped as non-finite keeps the old
     ones.
 
     A model may also define accumulate_model_state(aux): with gradient accumulation it is

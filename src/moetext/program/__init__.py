@@ -18,10 +18,12 @@ from moetext.program.build import (
     TwoPrograms,
     build,
     create_model,
+    initial_model_state,
     jit_eval_step,
     jit_train_step,
     lower_checked,
     make_plan,
+    model_state_target,
     params_target,
 )
 from moetext.program.state import TrainState
@@ -38,6 +40,8 @@ __all__ = [
     "local_rows",
     "lower_checked",
     "make_plan",
+    "initial_model_state",
+    "model_state_target",
     "params_target",
     "put_batch",
 ]

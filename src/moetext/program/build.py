@@ -125,6 +125,31 @@ def params_target(cfg: Config, plan: sharding_plan.Plan) -> checkpoint.ParamsTar
     )
 
 
+def model_state_target(cfg: Config, plan: sharding_plan.Plan) -> checkpoint.ParamsTarget:
+    """Like `params_target`, for the model's models.ModelState variables
+    (`checkpoint.load_model_state`)."""
+    family = models.get_family(cfg.model.family)
+    return checkpoint.ParamsTarget.of_model(
+        cfg,
+        create_model,
+        plan.shardings_for,
+        stack_layers=family.stack_layers,
+        unstack_layers=family.unstack_layers,
+        kind=ModelState,
+    )
+
+
+def initial_model_state(cfg: Config, plan: sharding_plan.Plan) -> nnx.State[Any, Any]:
+    """The model state a new model of cfg starts with (e.g. moe.initial_bias), on the plan's
+    shardings, without allocating the params (jit drops their initialisation)."""
+    abstract = model_state_target(cfg, plan).abstract(cfg.model.scan_layers)
+    shardings = jax.tree.map(lambda x: x.sharding, abstract)
+    state: nnx.State[Any, Any] = jax.jit(
+        lambda: nnx.state(create_model(cfg), ModelState), out_shardings=shardings
+    )()
+    return state
+
+
 def create_model(cfg: Config) -> nnx.Module:
     """The model of cfg, its params drawn from train.seed."""
     return models.build(cfg.model, cfg.moe, cfg.kernels, rngs=nnx.Rngs(params=cfg.train.seed))

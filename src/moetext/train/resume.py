@@ -14,7 +14,7 @@ from moetext import checkpoint as checkpoint_lib
 from moetext import data as data_lib
 from moetext.checkpoint import Checkpointer, CheckpointError, abstract_like
 from moetext.config import Config
-from moetext.program import Built, TrainState, params_target
+from moetext.program import Built, TrainState, model_state_target, params_target
 from moetext.train import rundir
 
 
@@ -36,12 +36,17 @@ def initial_state(b: Built, ckpt: Checkpointer | None, data: data_lib.TrainData)
     state = _maybe_resume(b, ckpt, data)
     if state is b.state and b.cfg.checkpoint.load_params_from:
         # A new run from another checkpoint's params: free the random ones first (the loaded
-        # ones take their place on every device), keep the fresh optimizer state, model state
-        # and step 0.
+        # ones take their place on every device), keep the fresh optimizer state and step 0.
+        # The model state (a router's selection bias) comes with the params when the source
+        # has it: it decides the routing the params were trained with.
         jax.tree.map(lambda x: x.delete(), state.params)
         src = b.cfg.checkpoint.load_params_from
         params = checkpoint_lib.load_params(src, b.cfg, params_target(b.cfg, b.plan))
-        state = dataclasses.replace(state, params=params)
+        target = model_state_target(b.cfg, b.plan)
+        model_state = checkpoint_lib.load_model_state(src, b.cfg, target)
+        if model_state is None:
+            model_state = state.model_state
+        state = dataclasses.replace(state, params=params, model_state=model_state)
         b.state = state
         if jax.process_index() == 0:
             print(f"params from {src}", file=sys.stderr, flush=True)

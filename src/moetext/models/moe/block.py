@@ -212,7 +212,7 @@ class MoEBlock(nnx.Module):
         self.router.update_state(metrics)
         if self.cfg.routing_override == "random":
             key = jax.random.wrap_key_data(self.override_key[...])
-            self.override_key.value = jax.random.key_data(jax.random.fold_in(key, 1))
+            self.override_key[...] = jax.random.key_data(jax.random.fold_in(key, 1))
 
     def accumulate_state(self, metrics: Mapping[str, jax.Array]) -> None:
         """The router's state update after one micro-batch of an accumulated step (see

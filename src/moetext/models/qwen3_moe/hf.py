@@ -192,8 +192,31 @@ def hf_model_type(m: QwenModelConfig, moe: QwenMoEConfig) -> str:
     return "qwen3_moe" if qwen3 else "qwen2_moe"
 
 
+# The routing Qwen's HF architectures compute (softmax, top-k over all experts, unscaled
+# weights): any other value of these fields routes tokens the exported model would not.
+HF_ROUTING = {
+    "router": "softmax_topk",
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "routing_override": "none",
+}
+
+
+def check_hf_routing(moe: MoEConfig) -> None:
+    """ConfigError naming every moe field whose routing Qwen's HF models cannot express."""
+    bad = [f"moe.{k}={getattr(moe, k)!r}" for k, v in HF_ROUTING.items() if getattr(moe, k) != v]
+    if bad:
+        want = ", ".join(f"{k}={v!r}" for k, v in HF_ROUTING.items())
+        raise ConfigError(
+            f"{', '.join(bad)}: Qwen's Hugging Face models route by softmax top-k over all "
+            f"experts ({want}); this model has no HF equivalent to export to"
+        )
+
+
 def config_to_hf(m: QwenModelConfig, moe: QwenMoEConfig, dtype: str) -> dict[str, Any]:
     """config.json in the spelling of the released Qwen3-MoE / Qwen2-MoE checkpoints."""
+    check_hf_routing(moe)
     kind = hf_model_type(m, moe)
     out: dict[str, Any] = {
         "architectures": [ARCHITECTURES[kind]],

@@ -440,13 +440,15 @@ def _check_model_config(cfg: QwenModelConfig) -> None:
 def stack_layers(params: dict[str, Any], pattern: Sequence[bool]) -> dict[str, Any]:
     """An unscanned Decoder's param tree ("layers": {i: layer}) in the scan_layers layout
     ("stacks": {j: layers of run j stacked on a leading axis}); other entries unchanged.
-    Works on nested dicts of arrays (jnp.stack: call it under jit to place the result)."""
+    Works on nested dicts of arrays (jnp.stack: call it under jit to place the result). A tree
+    holding some layers only (the model state: MoE layers' routers) keeps the runs it has."""
     layers = params["layers"]
     out = {k: v for k, v in params.items() if k != "layers"}
     stacks, start = {}, 0
     for j, (_, count) in enumerate(segments(pattern)):
-        run = [layers[i] for i in range(start, start + count)]
-        stacks[j] = jax.tree.map(lambda *xs: jnp.stack(xs), *run)
+        run = [layers[i] for i in range(start, start + count) if i in layers]
+        if run:
+            stacks[j] = jax.tree.map(lambda *xs: jnp.stack(xs), *run)
         start += count
     out["stacks"] = stacks
     return out
@@ -471,7 +473,8 @@ def unstack_layers(params: dict[str, Any], pattern: Sequence[bool]) -> dict[str,
     layers, start = {}, 0
     for j, (_, count) in enumerate(segments(pattern)):
         for k in range(count):
-            layers[start + k] = jax.tree.map(lambda x, k=k: x[k], params["stacks"][j])
+            if j in params["stacks"]:
+                layers[start + k] = jax.tree.map(lambda x, k=k: x[k], params["stacks"][j])
         start += count
     out["layers"] = layers
     return out

@@ -113,8 +113,8 @@ class GateRouter(Router):
 
     def accumulate_state(self, metrics: Mapping[str, jax.Array]) -> None:
         if self.scope == "global_batch":
-            self.load_prior.value = self.load_prior[...] + metrics[COUNTS_KEY]
+            self.load_prior[...] = self.load_prior[...] + metrics[COUNTS_KEY]
 
     def update_state(self, metrics: Mapping[str, jax.Array]) -> None:
         if self.scope == "global_batch":
-            self.load_prior.value = jnp.zeros_like(self.load_prior[...])
+            self.load_prior[...] = jnp.zeros_like(self.load_prior[...])

@@ -69,4 +69,4 @@ class SigmoidTopK(GateRouter):
         if self.rate > 0:
             counts_E = metrics[COUNTS_KEY]
             step_E = jnp.sign(jnp.mean(counts_E) - counts_E)
-            self.selection_bias.value = self.selection_bias[...] + jnp.float32(self.rate) * step_E
+            self.selection_bias[...] = self.selection_bias[...] + jnp.float32(self.rate) * step_E
