@@ -23,6 +23,7 @@ SHAPES_PARAMS = {
             "rope_theta",
             "rms_norm_eps",
             "qk_norm",
+            "attention_bias",  # adds the q/k/v bias params
             "tie_embeddings",
             "decoder_sparse_step",
             "mlp_only_layers",
@@ -38,6 +39,7 @@ SHAPES_PARAMS = {
             "norm_topk_prob",
             "num_shared_experts",
             "shared_intermediate_size",
+            "shared_expert_gate",  # adds the shared gate's param
         )
     ),
 }

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moetext.config.families import as_family_class
-from moetext.config.fields import must_match, shapes_params
+from moetext.config.fields import shapes_params
 from moetext.config.schema import ModelConfig, MoEConfig
 from moetext.errors import ConfigError
 
@@ -16,7 +16,7 @@ from moetext.errors import ConfigError
 class QwenModelConfig(ModelConfig):
     qk_norm: bool = shapes_params(True)
     """Per-head RMSNorm on q and k before RoPE (Qwen3)."""
-    attention_bias: bool = must_match(False)
+    attention_bias: bool = shapes_params(False)
     """Bias on the q, k and v projections (Qwen2, Qwen2-MoE)."""
     decoder_sparse_step: int = shapes_params(1)
     """Layer i is MoE when (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers."""
@@ -36,7 +36,7 @@ class QwenModelConfig(ModelConfig):
 
 @dataclass(frozen=True)
 class QwenMoEConfig(MoEConfig):
-    shared_expert_gate: bool = must_match(False)
+    shared_expert_gate: bool = shapes_params(False)
     """Scale the shared experts' output per token by sigmoid(x @ w [D, 1]) (Qwen2-MoE)."""
 
     def __post_init__(self) -> None:
