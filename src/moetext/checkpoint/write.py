@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from moetext.checkpoint.bounded_save import BoundedNumpyHandler
-from moetext.checkpoint.params import PARAMS
+from moetext.checkpoint.params import MODEL_STATE, PARAMS
 from moetext.config import Config, to_dict
 
 # Bytes in flight while writing: at most WRITE_SLOTS boxes of WRITE_BOX_BYTES (whole chunks).
@@ -29,11 +29,16 @@ SAVE_ARGS = ocp.SaveArgs(chunk_byte_size=8 * 2**20)
 
 
 def write_params(
-    directory: epath.PathLike, params: Any, cfg: Config, extra_meta: dict[str, Any]
+    directory: epath.PathLike,
+    params: Any,
+    cfg: Config,
+    extra_meta: dict[str, Any],
+    model_state: Any = None,
 ) -> None:
     """Writes a new checkpoint `directory` (it must not exist) holding `params` (a tree of
-    NumPy arrays, not changed during the write) as the state's params, and as its meta step 0,
-    `cfg` and `extra_meta` (e.g. where the params were converted from)."""
+    NumPy arrays, not changed during the write) as the state's params, `model_state` (likewise;
+    None or empty: none) as its model_state, and as its meta step 0, `cfg` and `extra_meta`
+    (e.g. where the params were converted from)."""
     writer = BoundedNumpyHandler(box_bytes=WRITE_BOX_BYTES, slots=WRITE_SLOTS)
     registry = ocp.type_handlers.create_type_handler_registry((np.ndarray, writer))
     handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_ocdbt=False)
@@ -42,6 +47,8 @@ def write_params(
     )
     meta = {"step": 0, "config": to_dict(cfg), **extra_meta}
     tree = {PARAMS: params}
+    if model_state is not None and jax.tree.leaves(model_state):
+        tree[MODEL_STATE] = model_state
     try:
         ckptr.save(
             epath.Path(directory),

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -121,10 +122,19 @@ def load_model(
         lambda: models.build(cfg.model, cfg.moe, cfg.kernels, rngs=nnx.Rngs(params=0))
     )
     graphdef, state = nnx.split(abstract)
+    # Model state HF does not store (a global-batch load buffer) starts as a new model's.
+    initial = jax.jit(
+        lambda: nnx.state(
+            models.build(cfg.model, cfg.moe, cfg.kernels, rngs=nnx.Rngs(params=0)),
+            models.ModelState,
+        )
+    )()
+    nnx.replace_by_pure_dict(state, nnx.to_pure_dict(initial))
     for t in tensors:
         parts = read_parts(reader, t)
         var: Any = state
         for key in t.path:
             var = var[key]
-        var.set_value(jnp.asarray(t.to_moetext(parts), dtype=jnp.dtype(dtype)))
+        as_dtype = jnp.dtype(dtype) if t.item == "params" else jnp.float32
+        var.set_value(jnp.asarray(t.to_moetext(parts), dtype=as_dtype))
     return cfg, nnx.merge(graphdef, state)

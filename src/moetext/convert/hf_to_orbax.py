@@ -5,7 +5,9 @@ adapter; config.json's model_type picks it).
         [--emit_config] [--overwrite]
 
 OUT is laid out like a run's `checkpoints/<step>/`: `state/` (an orbax PyTree {"params": ...}
-of the unscanned model, the stored dtype kept unless --dtype), `meta/` (step 0 and the
+of the unscanned model, the stored dtype kept unless --dtype, and {"model_state": ...} when the
+model has ModelState variables: the tensors HF stores for them in float32, else their initial
+values), `meta/` (step 0 and the
 resolved config), plus a self-contained `config.yml` and `tokenizer/` with the source's
 tokenizer files. A run with `scan_layers` restacks the layers when it loads them.
 
@@ -27,6 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import jax
 import ml_dtypes
 import numpy as np
 import yaml
@@ -81,11 +84,25 @@ def _unscanned(cfg: Config) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=False))
 
 
-def abstract_params(cfg: Config) -> nnx.State[Any, Any]:
-    """The unscanned model's nnx.Param state of ShapeDtypeStructs (what a checkpoint holds)."""
+def abstract_params(cfg: Config, kind: Any = nnx.Param) -> nnx.State[Any, Any]:
+    """The unscanned model's nnx.Param (or other `kind`: models.ModelState) state of
+    ShapeDtypeStructs (what a checkpoint holds)."""
     c = _unscanned(cfg)
     model = nnx.eval_shape(lambda: models.build(c.model, c.moe, c.kernels, rngs=nnx.Rngs(0)))
-    return nnx.state(model, nnx.Param)
+    return nnx.state(model, kind)
+
+
+def initial_model_state(cfg: Config) -> nnx.State[Any, Any]:
+    """The unscanned model's ModelState as a new model starts it, as NumPy (the params' init
+    is dropped by jit): what a converted checkpoint holds where HF stores no tensor."""
+    c = _unscanned(cfg)
+    state = jax.jit(
+        lambda: nnx.state(
+            models.build(c.model, c.moe, c.kernels, rngs=nnx.Rngs(0)), models.ModelState
+        )
+    )()
+    out: nnx.State[Any, Any] = jax.tree.map(np.asarray, state)
+    return out
 
 
 def _leaf(params: nnx.State[Any, Any], path: tuple[str | int, ...]) -> Any:
@@ -147,15 +164,17 @@ def hf_to_orbax(
     with staging(out) as stage:
         scratch = stage / "scratch"
         scratch.mkdir()
-        params = abstract_params(cfg)
+        items = {"params": abstract_params(cfg), "model_state": initial_model_state(cfg)}
         target = np_dtype(dtype)
         for t in tensors:
-            var = _leaf(params, t.path)
-            var.set_value(_mapped(reader, t, target, scratch))
+            var = _leaf(items[t.item], t.path)
+            as_dtype = target if t.item == "params" else np.dtype(np.float32)
+            var.set_value(_mapped(reader, t, as_dtype, scratch))
         ckpt = stage / "checkpoint"
         converted_from = {"hf": str(hf_dir.resolve()), "dtype": dtype}
-        write_params(ckpt, params, cfg, {"converted_from": converted_from})
-        del params
+        meta = {"converted_from": converted_from}
+        write_params(ckpt, items["params"], cfg, meta, model_state=items["model_state"])
+        del items
         config_lib.save(cfg, ckpt / "config.yml")
         if tokenizer:
             (ckpt / "tokenizer").mkdir()

@@ -28,7 +28,7 @@ import numpy as np
 
 from moetext import config as config_lib
 from moetext import models
-from moetext.checkpoint import LeafReader, read_meta_config, shape_mismatches
+from moetext.checkpoint import LeafReader, read_meta_config, saved_items, shape_mismatches
 from moetext.config.schema import Config
 from moetext.convert import safetensors_io
 from moetext.convert.hf_to_orbax import np_dtype
@@ -46,24 +46,31 @@ def _has(tree: dict[str, Any], path: ParamPath) -> bool:
     return True
 
 
-def moetext_arrays(params: LeafReader, cfg: Config) -> Iterator[tuple[Tensor, np.ndarray]]:
-    """Every tensor of the family's unscanned map with its array, one restored leaf at a time.
-    A tensor the checkpoint holds in the scan_layers layout (`ModelFamily.stacked_path`) comes
-    from its stacked leaf, restored once for all the layers it holds."""
+def moetext_arrays(ckpt: Path, cfg: Config) -> Iterator[tuple[Tensor, np.ndarray]]:
+    """Every tensor of the family's unscanned map with its array, one restored leaf at a time
+    (from the checkpoint's params, or its model_state for a model-state tensor). A tensor the
+    checkpoint holds in the scan_layers layout (`ModelFamily.stacked_path`) comes from its
+    stacked leaf, restored once for all the layers it holds."""
     family = models.get_family(cfg.model.family)
     tensors = models.hf_adapter(cfg.model.family).tensor_map(cfg.model, cfg.moe)
-    stacks: dict[ParamPath, list[tuple[int, Tensor]]] = {}
+    readers: dict[str, LeafReader] = {}
+    stacks: dict[tuple[str, ParamPath], list[tuple[int, Tensor]]] = {}
     for t in tensors:
-        if _has(params.tree, t.path) or family.stacked_path is None:
-            yield t, params.get(t.path)
+        if t.item not in readers:
+            if t.item not in saved_items(ckpt):
+                raise ConfigError(f"{ckpt} holds no {t.item}, which {t.hf_names[0]} comes from")
+            readers[t.item] = LeafReader(ckpt, item=t.item)
+        reader = readers[t.item]
+        if _has(reader.tree, t.path) or family.stacked_path is None:
+            yield t, reader.get(t.path)
             continue
         path, index = family.stacked_path(cfg.model, t.path)
         if index is None:
-            yield t, params.get(path)
+            yield t, reader.get(path)
         else:
-            stacks.setdefault(path, []).append((index, t))
-    for path, members in stacks.items():
-        stacked = params.get(path)
+            stacks.setdefault((t.item, path), []).append((index, t))
+    for (item, path), members in stacks.items():
+        stacked = readers[item].get(path)
         for index, t in members:
             yield t, stacked[index]
 
@@ -104,8 +111,9 @@ def orbax_to_hf(
     target = np_dtype(dtype)
 
     def named() -> Iterator[tuple[str, np.ndarray]]:
-        for t, array in moetext_arrays(params, cfg):
-            yield from zip(t.hf_names, t.to_hf(array.astype(target)), strict=True)
+        for t, array in moetext_arrays(ckpt, cfg):
+            as_dtype = target if t.item == "params" else np.float32  # model state stays f32
+            yield from zip(t.hf_names, t.to_hf(array.astype(as_dtype)), strict=True)
 
     with staging(out) as stage:
         done = stage / "hf"

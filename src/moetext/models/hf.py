@@ -38,12 +38,16 @@ class Tensor:
     [out, in] tensors <-> one [E, in, out]), bias_heads (q/k/v bias: [n*h] <-> [n, h])."""
 
     path: ParamPath
-    """Where it lives in the unscanned model's nnx.State (nnx.Param leaves)."""
+    """Where it lives in the unscanned model's nnx.State (its nnx.Param or ModelState leaf)."""
     hf_names: tuple[str, ...]
     """The HF tensors, in order (E of them for stacked experts)."""
     shape: tuple[int, ...]
     """The moetext shape."""
     kind: Kind
+    item: Literal["params", "model_state"] = "params"
+    """Which part of the model state it is: an nnx.Param (saved in the dtype conversion asks
+    for), or a models.ModelState variable (a router's selection bias, e.g. DeepSeek-V3's
+    `e_score_correction_bias`: always float32, saved in the checkpoint's `model_state`)."""
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
@@ -114,7 +118,8 @@ class HfAdapter:
     """(model, moe, dtype) -> config.json; a ConfigError naming the field for a config that no
     HF architecture of the family describes exactly."""
     tensor_map: Callable[[ModelConfig, MoEConfig], list[Tensor]]
-    """Every parameter of the unscanned model with the HF tensors it is made of."""
+    """Every parameter of the unscanned model (and every model-state variable HF stores) with
+    the HF tensors it is made of."""
     wrap_source: Callable[[TensorSource], TensorSource] = _same_source
     """The stored tensors as the tensor map reads them: identity, or a view that preprocesses
     (e.g. dequantizes block-scaled FP8 weights and hides their scale tensors)."""
