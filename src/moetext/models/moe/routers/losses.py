@@ -103,14 +103,14 @@ def balance_loss(
     prior_counts_E: jax.Array | None = None,
 ) -> jax.Array:
     """The balance loss of `scope` (moe.aux_loss_scope): micro_batch, sequence (documents of
-    segment_ids_BS; without them each row is one) or global_batch (with prior_counts_E)."""
+    segment_ids_BS; without them all T tokens are one) or global_batch (with prior_counts_E)."""
     if scope == "micro_batch":
         return load_balance_loss(probs_TE, ids_TK, valid_T)
     if scope == "global_batch":
         return load_balance_loss(probs_TE, ids_TK, valid_T, prior_counts_E)
     if scope == "sequence":
-        if segment_ids_BS is None:
-            raise ValueError("the sequence-wise balance loss needs the tokens' [B, S] segment ids")
+        if segment_ids_BS is None:  # decoding: all tokens one document (the loss goes unused)
+            segment_ids_BS = jnp.ones((1, probs_TE.shape[0]), jnp.int32)
         return sequence_balance_loss(probs_TE, ids_TK, segment_ids_BS)
     raise ValueError(f"unknown moe.aux_loss_scope {scope!r}; valid: {', '.join(SCOPES)}")
 
