@@ -57,6 +57,7 @@ RESUME_SAFE = {
             "profile_steps",
             "profile_processes",
             "grad_accum_steps",
+            "log_batch_hash",
         )
     ),
     *(
