@@ -60,6 +60,7 @@ RESUME_SAFE = {
             "profile_processes",
             "grad_accum_steps",
             "routing_trace",
+            "log_batch_hash",
         )
     ),
     *(

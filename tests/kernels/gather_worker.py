@@ -7,7 +7,7 @@ slice (`rhs_gather`) with the weight gradient reduce-scattered in tiles against 
 in one piece, and against gmm on the whole weight (no sharding); the call with
 `regather_weights` (gathered again in the backward) against the one keeping the forward's copy;
 the slice gathered with its last two dims swapped (gather.minor_swapped) against it gathered as
-given; plus how many tiles ran.
+given; plus how many tiles ran, and the scale of the tiled gradient's bound (drhs_abs_scale).
 """
 
 from __future__ import annotations
@@ -109,6 +109,20 @@ def unsharded(
     return float(value), np.asarray(gx), np.asarray(gw)
 
 
+def drhs_abs_scale(
+    x: np.ndarray, w: np.ndarray, ids: np.ndarray, transpose: bool, gw: np.ndarray
+) -> float:
+    """The largest sum of |products| a weight-gradient entry adds up, over its largest entry:
+    entry (g, k, n) sums x[r, k] * dout[r, n] over the rows r of group g (every shard), and
+    dout = 2 * out (the loss is sum(out^2)), out[r] = x[r] @ w[g]."""
+    x64 = np.asarray(x, np.float64)
+    w_GKN = np.asarray(np.swapaxes(w, 1, 2) if transpose else w, np.float64)
+    out_RN = np.einsum("rk,rkn->rn", x64, w_GKN[ids])
+    onehot_RG = np.eye(G)[ids]
+    a_GKN = np.einsum("rg,rk,rn->gkn", onehot_RG, np.abs(x64), 2 * np.abs(out_RN))
+    return float(a_GKN.max() / np.abs(gw).max())
+
+
 def tiles_of(layout: str) -> int:
     """How many tiles reduce_scatter_tiled runs for the layout at the patched sizes."""
     spec, gather_dims, transpose = LAYOUTS[layout]
@@ -135,6 +149,7 @@ def main() -> None:
     out: dict[str, Any] = {
         "tiled_vs_whole": {},
         "tiled_vs_unsharded": {},
+        "drhs_abs_scale": {},
         "regather_vs_whole": {},
         "tiles": {},
     }
@@ -154,6 +169,7 @@ def main() -> None:
                     tiled = run(mesh, layout, backend, reduce_dtype, x, w, ids)
                     out["tiles"][layout] = tiles_of(layout)
                 out["tiled_vs_whole"][key] = [rel(t, u) for t, u in zip(tiled, whole, strict=True)]
+                out["drhs_abs_scale"][key] = drhs_abs_scale(x, w, ids, transpose, whole[2])
                 out["tiled_vs_unsharded"][key] = [
                     rel(t, u) for t, u in zip(tiled, ref, strict=True)
                 ]

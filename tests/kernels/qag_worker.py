@@ -9,7 +9,8 @@ initialises, so tests/fake_devices.py starts it in a fresh interpreter) and prin
 - "gmm": per backend and recipe, max relative errors of (loss, dlhs, drhs) of gmm with QAG
   against the same recipe on the weight gathered in bf16 and quantized after (save_rhs="fp8"),
   and against the default recipe (the input kept for the backward); for the blocked backend
-  also the QAG gmm with its weight gradient reduce-scattered in column tiles against in one piece;
+  also the QAG gmm with its weight gradient reduce-scattered in column tiles against in one piece,
+  and the scale of its bound (drhs_abs_scale);
 - "plain": rhs_gather without quantization against gmm on the full weight;
 - "hlo": element types of the all-gathers (and reduce-scatters) in the lowered StableHLO;
 - "bf16_reduce": grad_reduce_dtype=bfloat16 against the f32 gradient reduction.
@@ -164,9 +165,9 @@ def quantized(name: str, qag: bool, **recipe: Any) -> Gmm:
     return Gmm(gmm_lib.get_backend(name), r)
 
 
-def check_qag_gmm(s: ShardedGmm) -> dict[str, dict[str, list[float]]]:
+def check_qag_gmm(s: ShardedGmm) -> dict[str, dict[str, Any]]:
     """2. gmm on a weight slice (rhs_gather): QAG vs gathering in bf16 and quantizing the copy."""
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for name in ("reference", "ragged_dot", "blocked"):
         for bwd, wb in ((False, "1x64"), (True, "64x64"), (True, "1x64")):
             for transpose in (False, True) if name == "blocked" else (False,):
@@ -192,7 +193,19 @@ def check_qag_gmm(s: ShardedGmm) -> dict[str, dict[str, list[float]]]:
                         )[0]
                     )
                     out[key]["tiled_vs_whole"] = [rel(a, b) for a, b in zip(tiled, q, strict=True)]
+                    out[key]["drhs_abs_scale"] = drhs_abs_scale(s, q[2])
     return out
+
+
+def drhs_abs_scale(s: ShardedGmm, gw: np.ndarray) -> float:
+    """The largest sum of |products| a weight-gradient entry adds up, over its largest entry:
+    entry (g, k, n) sums x[r, k] * dout[r, n] over group g's rows of every shard, and
+    |dout| = |cos(out)| <= 1, so that sum is at most sum_r |x[r, k]|."""
+    x_SMK = np.abs(np.asarray(s.x, np.float64)).reshape(-1, M, K)
+    ends = np.cumsum(GROUP_SIZES)
+    starts = ends - np.asarray(GROUP_SIZES)
+    a_GK = np.stack([x_SMK[:, lo:hi].sum(axis=(0, 1)) for lo, hi in zip(starts, ends, strict=True)])
+    return float(a_GK.max() / np.abs(gw).max())
 
 
 def _in_column_tiles(run: Any) -> Any:

@@ -140,7 +140,15 @@ def test_no_usable_checkpoint_stops_with_one_line_and_exit_2(run_dir):
 
 @pytest.mark.parametrize(
     ("override", "field", "old", "new"),
-    [("model.emb_dim=32", "model.emb_dim", "64", "32"), ("data.seed=7", "data.seed", "0", "7")],
+    [
+        ("model.emb_dim=32", "model.emb_dim", "64", "32"),
+        ("data.seed=7", "data.seed", "0", "7"),
+        # The data position is per row of the global batch, in rows of seq_len + 1 tokens:
+        # another batch size or length would read another stream (resume another slice with
+        # the same global batch instead; README).
+        ("data.global_batch_size=4", "data.global_batch_size", "8", "4"),
+        ("data.seq_len=32", "data.seq_len", "64", "32"),
+    ],
 )
 def test_resume_with_a_changed_shape_or_data_field_is_refused(run_dir, override, field, old, new):
     with pytest.raises(CheckpointError) as e:

@@ -18,6 +18,15 @@ the CLI prints one line and exits 2) rather than silently starting from scratch 
 
 Before a step's arrays are restored, the caller's `check_meta` sees its meta (the training
 loop compares the saved config with the run's: `config_check.check_config`).
+
+With several processes they all resume from the same step: the candidate steps are those any
+process sees, and each step's verdict (files and config, then the array restore) is agreed
+through a collective (module agree), so a step damaged as one host sees it is skipped by all.
+A restore that fails on one host only is still caught inside orbax's own restore barrier,
+which the other hosts wait at: host-local damage is agreed on when the cheap checks see it.
+
+The state restores onto the caller's shardings, whatever mesh, preset, device or process count
+wrote it (orbax reads each shard's slice of the saved arrays): a run moves between slices.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from moetext.checkpoint import agree
 from moetext.checkpoint.errors import Broken, CheckpointError, CheckpointWriteError
 from moetext.checkpoint.meta import META, STATE, read_json
 from moetext.checkpoint.orbax_noise import quiet_orbax_failures
@@ -142,7 +152,8 @@ class Checkpointer:
         `check_meta(step, meta)` runs before a step's arrays are restored and may raise (a
         config mismatch stops the run instead of falling back). CheckpointError when
         checkpoints exist but none is usable."""
-        steps, tmp_steps = self._scan()
+        local_steps, tmp_steps = self._scan()
+        steps = agree.union(local_steps)  # every process walks the same candidates
         if not steps:  # at most a first save that never finished: nothing to resume
             for tmp in sorted(p for paths in tmp_steps.values() for p in paths):
                 _report(f"{tmp}: half-written (an orbax temporary directory), ignored")
@@ -155,10 +166,7 @@ class Checkpointer:
                 continue
             path = self.directory / str(step)
             try:
-                meta, data_states = self._check_structure(step)
-                if check_meta is not None:
-                    check_meta(step, meta)
-                state = self._restore_state(step, abstract_state)
+                meta, data_states, state = self._try_step(step, abstract_state, check_meta)
             except Broken as e:
                 _report(f"{path}: unusable checkpoint ({e}); trying the previous one")
                 broken.append((step, str(e)))
@@ -170,6 +178,34 @@ class Checkpointer:
             f"no usable checkpoint in {self.directory} ({why}). Fix or move that directory "
             f"to resume, or set checkpoint.resume=false / another train.run_dir to start over"
         )
+
+    def _try_step(
+        self,
+        step: int,
+        abstract_state: Any,
+        check_meta: Callable[[int, dict[str, Any]], None] | None,
+    ) -> tuple[dict[str, Any], list[dict[str, Any]], Any]:
+        """(meta, data states, state) of `step` when every process can use it. The processes
+        agree twice (module agree): on the files and config before any array is read, then on
+        the restore. Broken when any process found it broken (naming that process), its own
+        CheckpointError when `check_meta` refused it anywhere."""
+        meta: dict[str, Any] = {}
+        data_states: list[dict[str, Any]] = []
+        failure: Exception | None = None
+        try:
+            meta, data_states = self._check_structure(step)
+            if check_meta is not None:
+                check_meta(step, meta)
+        except (Broken, CheckpointError) as e:
+            failure = e
+        _agreed(failure)
+        state = None
+        try:
+            state = self._restore_state(step, abstract_state)
+        except Broken as e:
+            failure = e
+        _agreed(failure)
+        return meta, data_states, state
 
     def _scan(self) -> tuple[list[int], dict[int, list[str]]]:
         """Numbered step directories, and orbax temporary directories by their step."""
@@ -279,6 +315,24 @@ class _JsonState:
 
     def set_state(self, state: bytes) -> None:  # part of the handler's protocol; unused
         self.value = json.loads(state)
+
+
+def _agreed(failure: Exception | None) -> None:
+    """Returns when every process found the step usable so far; else raises the same verdict
+    on every process: this process's own error, or one naming the processes that failed."""
+    code = agree.OK if failure is None else agree.REFUSED
+    if isinstance(failure, Broken):
+        code = agree.BROKEN
+    every = agree.verdicts(code, "" if failure is None else str(failure))
+    worst = max(c for c, _ in every)
+    if worst == agree.OK:
+        return
+    if failure is not None and code == worst:
+        raise failure
+    others = "; ".join(f"process {i}: {why}" for i, (c, why) in enumerate(every) if c == worst)
+    if worst == agree.REFUSED:
+        raise CheckpointError(others)
+    raise Broken(others)
 
 
 def _report(line: str) -> None:

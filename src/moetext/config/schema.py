@@ -332,6 +332,10 @@ class TrainConfig:
     """Split each step's global batch into N micro-batches run one after another inside the
     step (gradients summed, one optimizer update): the same step with one micro-batch's
     activations in memory. N must divide data.global_batch_size."""
+    log_batch_hash: bool = resume_safe(False)
+    """Write `batch_hash`, a fingerprint of each step's global batch (whichever processes read
+    it), to metrics.jsonl: shows that a resumed or moved run reads the batches an uninterrupted
+    run reads. Costs a host-side hash and, with several processes, an all-gather per step."""
     separate_update: bool = must_match(True)
     """Run the step as two jitted programs, the gradient then the optimizer update, instead of
     one: the same math with less peak memory on TPU, where one program holds a second copy of

@@ -34,6 +34,7 @@ from moetext.program import (
 )
 from moetext.train import metrics as metrics_lib
 from moetext.train import nonfinite, preemption, resume, rundir
+from moetext.train.batch_hash import global_batch_hash
 from moetext.train.evaluate import Evaluator
 from moetext.train.profiler import StepProfiler
 from moetext.train.throughput import Throughput
@@ -62,6 +63,9 @@ def run(cfg: Config) -> dict[str, Any]:
     def put(batch: dict[str, np.ndarray]) -> Batch:
         return put_batch(batch, b.batch_sharding, rows, cfg.data.global_batch_size)
 
+    def hash_batch(batch: dict[str, np.ndarray]) -> str:
+        return global_batch_hash(batch, rows, cfg.data.global_batch_size)
+
     speed = Throughput(cfg)
     log = metrics_lib.MetricsLog(
         run_dir,
@@ -86,6 +90,7 @@ def run(cfg: Config) -> dict[str, Any]:
         StepProfiler(cfg.train.profile_steps, cfg.train.profile_processes, os.fspath(run_dir)),
         config_lib.to_dict(cfg),  # saved with every checkpoint, checked on resume
         state,
+        hash_batch if cfg.train.log_batch_hash else None,
     )
     try:
         return _train(parts, start)
@@ -109,6 +114,12 @@ class _Parts:
     profiler: StepProfiler
     cfg_dict: dict[str, Any]
     state: TrainState
+    hash_batch: Callable[[dict[str, np.ndarray]], str] | None  # train.log_batch_hash
+
+    def next_batch(self) -> tuple[Batch, str | None]:
+        """The next global batch on the devices, and its hash when train.log_batch_hash."""
+        host = self.data.next_batch()
+        return self.put(host), None if self.hash_batch is None else self.hash_batch(host)
 
     def close(self) -> None:
         if line := self.profiler.stop(self.state):
@@ -125,7 +136,7 @@ def _train(p: _Parts, start: int) -> dict[str, Any]:
     cfg, steps = p.b.cfg, p.b.cfg.train.steps
     train_step = jit_train_step(p.b)
     last: dict[str, Any] = {"step": start}
-    batch = p.put(p.data.next_batch()) if start < steps else None
+    batch, batch_hash = p.next_batch() if start < steps else (None, None)
     if batch is not None:
         # Compile before the clock starts so step times measure steps, not compilation.
         t0 = time.perf_counter()
@@ -140,15 +151,18 @@ def _train(p: _Parts, start: int) -> dict[str, Any]:
             p.log.info(line)
         p.state, m = train_step(p.state, batch)
         data_state = p.data.get_state()  # the position after this step's batch
+        step_hash = batch_hash
         if step + 1 < steps:
-            batch = p.put(p.data.next_batch())  # host work overlaps the dispatched step
+            batch, batch_hash = p.next_batch()  # host work overlaps the dispatched step
         p.speed.step()
         p.log.advance()
         done = step + 1
         p.guard.record(done, m)
         stop = p.preempt.should_stop(done)  # every process agrees on the step
         if done % cfg.train.log_every == 0 or done == steps or stop:
-            last = _log(p, done, m)
+            last = _log(p, done, m, step_hash)
+        elif step_hash is not None:  # every step's batch, logged or not
+            p.log.write({"step": done, "batch_hash": step_hash})
         if p.ckpt and (done % cfg.checkpoint.every == 0 or done == steps or stop):
             p.guard.check_before_save(done, p.state)
             meta = {"step": done, "config": p.cfg_dict}
@@ -160,10 +174,12 @@ def _train(p: _Parts, start: int) -> dict[str, Any]:
     return last
 
 
-def _log(p: _Parts, done: int, m: dict[str, jax.Array]) -> dict[str, Any]:
+def _log(p: _Parts, done: int, m: dict[str, jax.Array], batch_hash: str | None) -> dict[str, Any]:
     """Writes step `done`'s metrics row (with evaluation when it is due); returns it."""
     m = jax.device_get(m)  # waits for the step: the interval below is real time
     last = {"step": done, **metrics_lib.to_host(m), **p.speed.fields()}
+    if batch_hash is not None:
+        last["batch_hash"] = batch_hash
     if p.evaluator.due(done):
         last.update(p.evaluator(p.state))
     p.log.write(last)
