@@ -277,3 +277,29 @@ def test_blocked_attention_path_takes_v_head_dim(monkeypatch):
     blocked = np.asarray(layer(x_BSD, cos, sin, seg_BS))
     # Same rows, same softmax, another program (a scan): float32 rounding only.
     np.testing.assert_allclose(blocked[:, :7], whole[:, :7], rtol=0, atol=1e-6)
+
+
+def test_gradients_reach_every_parameter_and_axes_are_preset_names():
+    cfg = config(q_lora=True, yarn=True, interleave=True)
+    layer = make_layer(cfg)
+    x_BSD = jax.random.normal(jax.random.key(2), (1, 6, cfg.emb_dim))
+    seg_BS = jnp.array([[1, 1, 1, 2, 2, 0]])
+    cos, sin = layer.cos_sin(jnp.array([[0, 1, 2, 0, 1, 0]]))
+
+    def loss(m):
+        return jnp.sum(m(x_BSD, cos, sin, seg_BS) ** 2)
+
+    grads = nnx.grad(loss)(layer)
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        g = np.asarray(g)
+        assert np.all(np.isfinite(g)) and np.abs(g).max() > 0, path
+    # Every logical name is one the shipped sharding presets map (None: replicated).
+    specs = nnx.get_partition_spec(nnx.state(layer))
+    assert tuple(specs["w_q_b"].get_value()) == (None, "heads", "head_dim")
+    assert tuple(specs["w_kv_b"].get_value()) == (None, "heads", "head_dim")
+    assert tuple(specs["w_o"].get_value()) == ("heads", "head_dim", "embed")
+    known = {"embed", "heads", "head_dim", "norm", None}
+    leaves = jax.tree.leaves(specs, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    assert len(leaves) == 7  # q_a, q_a_norm, q_b, kv_a, kv_a_norm, kv_b, o
+    for leaf in leaves:
+        assert set(leaf.get_value()) <= known, leaf
