@@ -158,7 +158,7 @@ def test_forward_matches_numpy_reference_on_packed_rows(q_lora, yarn, interleave
     pos_BS = np.array([[0, 1, 2, 0, 1, 2, 3, 0, 1, 2], [0, 1, 2, 3, 4, 5, 6, 0, 0, 0]]) * 3
     x_BSD = np.asarray(jax.random.normal(jax.random.key(7), (2, 10, cfg.emb_dim)))
     cos, sin = layer.cos_sin(jnp.asarray(pos_BS))
-    got = np.asarray(layer(jnp.asarray(x_BSD), cos, sin, jnp.asarray(seg_BS)))
+    got = np.asarray(forward(layer, jnp.asarray(x_BSD), cos, sin, jnp.asarray(seg_BS)))
     p = np_params(layer)
     for b in range(2):
         want = np_mla(p, cfg, x_BSD[b].astype(np.float64), pos_BS[b], seg_BS[b])
@@ -225,6 +225,16 @@ def test_yarn_attention_factor_rules():
 # --- decoding on the latent cache ----------------------------------------------------------------
 
 
+@nnx.jit
+def cached(layer, x_BSD, cos, sin, cache, start, mask_BST):
+    return layer.cached(x_BSD, cos, sin, cache, start, mask_BST)
+
+
+@nnx.jit
+def forward(layer, x_BSD, cos, sin, segment_ids_BS=None):
+    return layer(x_BSD, cos, sin, segment_ids_BS)
+
+
 def test_cached_decode_matches_uncached_forward():
     """Prefill of left-padded prompts (lengths 5 and 3 in 5 slots), then 3 one-token steps: the
     cached outputs equal the uncached layer on each row's real tokens."""
@@ -244,13 +254,14 @@ def test_cached_decode_matches_uncached_forward():
         )
         positions_BS = jnp.maximum(slots_S[None, :] - first_valid_B[:, None], 0)
         cos, sin = layer.cos_sin(positions_BS)
-        out, cache = layer.cached(x_BLD[:, start : start + s], cos, sin, cache, start, mask_BST)
+        x_BSD = x_BLD[:, start : start + s]
+        out, cache = cached(layer, x_BSD, cos, sin, cache, jnp.int32(start), mask_BST)
         outs.append(out)
     got_BLD = np.asarray(jnp.concatenate(outs, axis=1))
     for b, n in enumerate(lengths):
         real = x_BLD[b : b + 1, prompt - n :]
         pos = jnp.arange(real.shape[1])[None]
-        want = np.asarray(layer(real, *layer.cos_sin(pos)))[0]
+        want = np.asarray(forward(layer, real, *layer.cos_sin(pos)))[0]
         np.testing.assert_allclose(got_BLD[b, prompt - n :], want, rtol=0, atol=1e-5)
         assert np.abs(want).max() > 0.1
 
@@ -289,7 +300,7 @@ def test_gradients_reach_every_parameter_and_axes_are_preset_names():
     def loss(m):
         return jnp.sum(m(x_BSD, cos, sin, seg_BS) ** 2)
 
-    grads = nnx.grad(loss)(layer)
+    grads = nnx.jit(nnx.grad(loss))(layer)
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
         g = np.asarray(g)
         assert np.all(np.isfinite(g)) and np.abs(g).max() > 0, path
