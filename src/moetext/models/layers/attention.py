@@ -1,7 +1,7 @@
 """Grouped-query causal self-attention with RoPE and optional per-head q/k RMSNorm (Qwen3).
 
 Legend: B batch, S query positions, T key positions, D emb_dim, N query heads, K kv heads,
-G = N // K query heads per kv head, H head_dim.
+G = N // K query heads per kv head, H head_dim (of q and k), V v's head dim (H unless given).
 """
 
 from __future__ import annotations
@@ -36,8 +36,11 @@ def attend(
     segment_ids_BS: jax.Array | None = None,
     *,
     mask_BST: jax.Array | None = None,
+    scale: float | None = None,
 ) -> jax.Array:
-    """Causal GQA softmax(q k^T / sqrt(H)) v with f32 scores; returns [B, S, N, H] in v's dtype.
+    """Causal GQA softmax(q k^T * scale) v with f32 scores; returns [B, S, N, V] in v's dtype.
+
+    scale defaults to 1 / sqrt(H); v may have another head dim than q and k (DeepSeek's MLA).
 
     Causality is by index (query s sees keys t <= s); positions only feed RoPE. With
     segment_ids_BS (self-attention, S == T) a query also sees only keys of its own segment,
@@ -53,20 +56,20 @@ def attend(
     """
     s, t = q_BSNH.shape[1], k_BTKH.shape[1]
     if mask_BST is not None or s != t or s <= QUERY_BLOCK or s % QUERY_BLOCK:
-        return _attend_rows(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, mask_BST, 0)
+        return _attend_rows(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, mask_BST, 0, scale)
     b, _, n, h = q_BSNH.shape
     blocks = s // QUERY_BLOCK
     q_CBQNH = jnp.moveaxis(q_BSNH.reshape(b, blocks, QUERY_BLOCK, n, h), 1, 0)
 
     @jax.checkpoint
     def block(c: jax.Array, q_BQNH: jax.Array) -> jax.Array:
-        return _attend_rows(q_BQNH, k_BTKH, v_BTKH, segment_ids_BS, None, c * QUERY_BLOCK)
+        return _attend_rows(q_BQNH, k_BTKH, v_BTKH, segment_ids_BS, None, c * QUERY_BLOCK, scale)
 
     def step(c: jax.Array, q_BQNH: jax.Array) -> tuple[jax.Array, jax.Array]:
         return c + 1, block(c, q_BQNH)
 
     _, out_CBQNH = jax.lax.scan(step, jnp.zeros((), jnp.int32), q_CBQNH)
-    return jnp.moveaxis(out_CBQNH, 0, 1).reshape(b, s, n, h)
+    return jnp.moveaxis(out_CBQNH, 0, 1).reshape(b, s, n, v_BTKH.shape[-1])
 
 
 def _attend_rows(
@@ -76,6 +79,7 @@ def _attend_rows(
     segment_ids_BT: jax.Array | None,
     mask_BST: jax.Array | None,
     first: jax.Array | int,
+    scale: float | None,
 ) -> jax.Array:
     """`attend` for the S queries at positions first .. first + S - 1 of the T keys
     (self-attention when segment_ids_BT is given: the keys' segments, the queries' among them)."""
@@ -84,7 +88,11 @@ def _attend_rows(
     q_BSKGH = q_BSNH.reshape(b, s, kv, n // kv, h)
     scores_BKGST = jnp.einsum(
         "bskgh,btkh->bkgst", q_BSKGH, k_BTKH, preferred_element_type=jnp.float32
-    ) / jnp.sqrt(jnp.float32(h))
+    )
+    if scale is None:
+        scores_BKGST = scores_BKGST / jnp.sqrt(jnp.float32(h))
+    else:
+        scores_BKGST = scores_BKGST * jnp.float32(scale)
     t = k_BTKH.shape[1]
     rows_S = first + jnp.arange(s)
     causal_ST = rows_S[:, None] >= jnp.arange(t)[None, :]
@@ -99,8 +107,8 @@ def _attend_rows(
     # A large finite negative (not -inf) keeps fully masked rows NaN-free under autodiff.
     scores_BKGST = jnp.where(mask, scores_BKGST, np.finfo(np.float32).min)
     probs_BKGST = jax.nn.softmax(scores_BKGST, axis=-1).astype(v_BTKH.dtype)
-    out_BSKGH = jnp.einsum("bkgst,btkh->bskgh", probs_BKGST, v_BTKH)
-    return out_BSKGH.reshape(b, s, n, h)
+    out_BSKGV = jnp.einsum("bkgst,btkv->bskgv", probs_BKGST, v_BTKH)
+    return out_BSKGV.reshape(b, s, n, v_BTKH.shape[-1])
 
 
 class Attention(nnx.Module):
