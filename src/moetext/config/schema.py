@@ -176,25 +176,28 @@ class KernelsConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    kind: Literal["synthetic", "tfds"] = must_match("synthetic")
+    kind: Literal["synthetic", "tfds", "chat"] = must_match("synthetic")
     """Data source. tfds: a dataset prepared by `python -m moetext.data.prepare`, read with
-    grain and packed; synthetic: seeded token sequences with learnable structure (benchmarks)."""
+    grain and packed; chat: conversations prepared with `--format chat`, rendered with a chat
+    template, loss on assistant turns; synthetic: seeded token sequences with learnable
+    structure (benchmarks)."""
     name: str | None = must_match(None)
-    """tfds only: the prepared dataset's name under data_dir; python_docs is the embedded
+    """tfds and chat: the prepared dataset's name under data_dir; python_docs is the embedded
     corpus (CPython's docs and docstrings), prepared automatically on first use."""
     data_dir: str | None = resume_safe(None)
-    """tfds only: where prepared datasets live; None: $MOETEXT_DATA_DIR or ~/.cache/moetext/data."""
+    """tfds and chat: where prepared datasets live; None: $MOETEXT_DATA_DIR or
+    ~/.cache/moetext/data."""
     tokenizer: str | None = must_match(None)
-    """tfds only: a sentencepiece .model or a Hugging Face tokenizer.json (or its directory);
+    """tfds and chat: a sentencepiece .model or a Hugging Face tokenizer.json (or its directory);
     None uses the tokenizer saved beside the dataset."""
     train_split: str = must_match("train")
-    """tfds only: split to train on."""
+    """tfds and chat: split to train on."""
     eval_split: str = resume_safe("eval")
-    """tfds only: split the evaluation batches come from."""
+    """tfds and chat: split the evaluation batches come from."""
     shuffle: bool = must_match(True)
-    """tfds only: visit documents in a seeded order, reshuffled every epoch."""
+    """tfds and chat: visit documents in a seeded order, reshuffled every epoch."""
     prefetch: int = resume_safe(2)
-    """tfds only: batches prepared ahead in a background thread."""
+    """tfds and chat: batches prepared ahead in a background thread."""
     seq_len: int = must_match(256)
     """Tokens per row (each row holds seq_len + 1 so inputs and targets are seq_len long)."""
     global_batch_size: int = must_match(4)
@@ -203,12 +206,21 @@ class DataConfig:
     """Seed of the data stream (independent from the model seed)."""
     eval_batches: int = resume_safe(2)
     """Held-out batches per evaluation (the same batches every time)."""
+    train_on: Literal["assistant", "all"] = must_match("assistant")
+    """chat only: the tokens that carry loss: each assistant turn's content and end-of-turn
+    token (assistant), or every token of the conversation (all)."""
+    chat_template: str | None = must_match(None)
+    """chat only: a jinja chat template file; None: the tokenizer's own (chat_template.jinja
+    or tokenizer_config.json beside it), else the built-in ChatML template."""
+    overlong: Literal["truncate", "drop"] = must_match("truncate")
+    """chat only: a conversation longer than seq_len + 1 tokens is cut after its last
+    assistant turn that fits (truncate; dropped when none fits) or dropped (drop)."""
 
     def __post_init__(self) -> None:
         _positive("data", seq_len=self.seq_len, global_batch_size=self.global_batch_size)
-        if self.kind == "tfds" and not self.name:
+        if self.kind in ("tfds", "chat") and not self.name:
             raise ConfigError(
-                "data.kind='tfds' needs data.name: the dataset prepared with "
+                f"data.kind={self.kind!r} needs data.name: the dataset prepared with "
                 "`python -m moetext.data.prepare --name NAME`, or python_docs (the embedded corpus)"
             )
         if self.prefetch < 1:
