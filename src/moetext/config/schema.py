@@ -10,6 +10,7 @@ built (`__post_init__`, a ConfigError naming the field); checks that span sectio
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -279,6 +280,10 @@ class TrainConfig:
     """Split each step's global batch into N micro-batches run one after another inside the
     step (gradients summed, one optimizer update): the same step with one micro-batch's
     activations in memory. N must divide data.global_batch_size."""
+    freeze: tuple[str, ...] = must_match(())
+    """Regexes: params whose "/"-joined unscanned name fully matches one (e.g.
+    `layers/\\d+/mlp/router/w`, under either model.scan_layers) are not trained and have no
+    optimizer state."""
     separate_update: bool = must_match(True)
     """Run the step as two jitted programs, the gradient then the optimizer update, instead of
     one: the same math with less peak memory on TPU, where one program holds a second copy of
@@ -300,6 +305,11 @@ class TrainConfig:
                     f"train.profile_steps={[start, stop]} must be [start, stop] with "
                     f"1 <= start < stop (steps as the log numbers them, stop exclusive)"
                 )
+        for pattern in self.freeze:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ConfigError(f"train.freeze: {pattern!r} is not a regex: {e}") from None
         if any(i < 0 for i in self.profile_processes):
             raise ConfigError(
                 f"train.profile_processes={list(self.profile_processes)} must hold process "
