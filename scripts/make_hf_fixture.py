@@ -152,6 +152,11 @@ def main() -> None:
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
     for name, spec in FIXTURES.items():
         make(name, spec, Path(args.out))
+    # The chat tokenizer fixture (a BPE tokenizer.json, Qwen3's chat template, the ids
+    # transformers renders): scripts/make_chat_fixture.py, also runnable alone.
+    from make_chat_fixture import make_chat_tokenizer
+
+    make_chat_tokenizer(Path(args.out))
 
 
 if __name__ == "__main__":

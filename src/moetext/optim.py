@@ -1,13 +1,21 @@
-"""AdamW with warmup + cosine decay, global-norm clipping, and no decay on norms/biases."""
+"""AdamW with warmup + cosine decay, global-norm clipping, and no decay on norms/biases;
+train.freeze keeps matching params fixed with no optimizer state for them."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import optax
 
 from moetext.config import OptimConfig
+from moetext.errors import ConfigError
+
+# A param's key path in the params tree -> the "/"-joined unscanned names it holds: one name,
+# or under model.scan_layers one per layer of its stack ("layers/3/mlp/router/w", ...).
+ParamNames = Callable[[tuple[Any, ...]], list[str]]
 
 
 def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -31,8 +39,60 @@ def decay_mask(params: Any) -> Any:
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def build(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    """Global-norm clipping (unless optim.clip_norm is None), then AdamW on `schedule`."""
+def build(
+    cfg: OptimConfig,
+    total_steps: int,
+    *,
+    freeze: Sequence[str] = (),
+    param_names: ParamNames | None = None,
+) -> optax.GradientTransformation:
+    """Global-norm clipping (unless optim.clip_norm is None), then AdamW on `schedule`.
+
+    freeze (train.freeze): params whose unscanned name (`param_names`) fully matches one of
+    these regexes get no update and no optimizer state (optax.multi_transform: AdamW and the
+    clipping norm see only the trained params)."""
+    trained = _adamw(cfg, total_steps)
+    if not freeze:
+        return trained
+    assert param_names is not None, "train.freeze needs the params' names"
+    labels = lambda params: freeze_labels(params, freeze, param_names)
+    return optax.multi_transform({"train": trained, "frozen": optax.set_to_zero()}, labels)
+
+
+def freeze_labels(params: Any, freeze: Sequence[str], param_names: ParamNames) -> Any:
+    """A tree like params of "frozen" / "train". Raises ConfigError for a pattern that matches
+    no param, or one that matches only some layers of a scan_layers stack (one array)."""
+    patterns = [re.compile(p) for p in freeze]
+    used = [False] * len(patterns)
+
+    def label(path: tuple[Any, ...], _: Any) -> str:
+        names = param_names(path)
+        hits = [[bool(p.fullmatch(n)) for p in patterns] for n in names]
+        for i in range(len(patterns)):
+            used[i] |= any(h[i] for h in hits)
+        frozen = [any(h) for h in hits]
+        if any(frozen) and not all(frozen):
+            some = [n for n, f in zip(names, frozen, strict=True) if f]
+            raise ConfigError(
+                f"train.freeze matches {some} but not the other layers stacked with them in "
+                f"one array under model.scan_layers=true ({names[0]} ... {names[-1]}): freeze "
+                f"every layer of the stack, or set model.scan_layers=false"
+            )
+        return "frozen" if all(frozen) else "train"
+
+    labels = jax.tree_util.tree_map_with_path(label, params)
+    unused = [p for p, u in zip(freeze, used, strict=True) if not u]
+    if unused:
+        example = [n for path, _ in jax.tree_util.tree_leaves_with_path(params)[:4]
+                   for n in param_names(path)[:1]]  # fmt: skip
+        raise ConfigError(
+            f"train.freeze patterns {unused} match no parameter (a pattern must match a whole "
+            f"'/'-joined unscanned name, e.g. {example})"
+        )
+    return labels
+
+
+def _adamw(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
     parts: list[optax.GradientTransformation] = []
     if cfg.clip_norm is not None:
         parts.append(optax.clip_by_global_norm(cfg.clip_norm))

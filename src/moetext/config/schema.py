@@ -10,6 +10,7 @@ built (`__post_init__`, a ConfigError naming the field); checks that span sectio
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -237,25 +238,28 @@ class KernelsConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    kind: Literal["synthetic", "tfds"] = must_match("synthetic")
+    kind: Literal["synthetic", "tfds", "chat"] = must_match("synthetic")
     """Data source. tfds: a dataset prepared by `python -m moetext.data.prepare`, read with
-    grain and packed; synthetic: seeded token sequences with learnable structure (benchmarks)."""
+    grain and packed; chat: conversations prepared with `--format chat`, rendered with a chat
+    template, loss on assistant turns; synthetic: seeded token sequences with learnable
+    structure (benchmarks)."""
     name: str | None = must_match(None)
-    """tfds only: the prepared dataset's name under data_dir; python_docs is the embedded
+    """tfds and chat: the prepared dataset's name under data_dir; python_docs is the embedded
     corpus (CPython's docs and docstrings), prepared automatically on first use."""
     data_dir: str | None = resume_safe(None)
-    """tfds only: where prepared datasets live; None: $MOETEXT_DATA_DIR or ~/.cache/moetext/data."""
+    """tfds and chat: where prepared datasets live; None: $MOETEXT_DATA_DIR or
+    ~/.cache/moetext/data."""
     tokenizer: str | None = must_match(None)
-    """tfds only: a sentencepiece .model or a Hugging Face tokenizer.json (or its directory);
+    """tfds and chat: a sentencepiece .model or a Hugging Face tokenizer.json (or its directory);
     None uses the tokenizer saved beside the dataset."""
     train_split: str = must_match("train")
-    """tfds only: split to train on."""
+    """tfds and chat: split to train on."""
     eval_split: str = resume_safe("eval")
-    """tfds only: split the evaluation batches come from."""
+    """tfds and chat: split the evaluation batches come from."""
     shuffle: bool = must_match(True)
-    """tfds only: visit documents in a seeded order, reshuffled every epoch."""
+    """tfds and chat: visit documents in a seeded order, reshuffled every epoch."""
     prefetch: int = resume_safe(2)
-    """tfds only: batches prepared ahead in a background thread."""
+    """tfds and chat: batches prepared ahead in a background thread."""
     seq_len: int = must_match(256)
     """Tokens per row (each row holds seq_len + 1 so inputs and targets are seq_len long)."""
     global_batch_size: int = must_match(4)
@@ -264,12 +268,21 @@ class DataConfig:
     """Seed of the data stream (independent from the model seed)."""
     eval_batches: int = resume_safe(2)
     """Held-out batches per evaluation (the same batches every time)."""
+    train_on: Literal["assistant", "all"] = must_match("assistant")
+    """chat only: the tokens that carry loss: each assistant turn's content and end-of-turn
+    token (assistant), or every token of the conversation (all)."""
+    chat_template: str | None = must_match(None)
+    """chat only: a jinja chat template file; None: the tokenizer's own (chat_template.jinja
+    or tokenizer_config.json beside it), else the built-in ChatML template."""
+    overlong: Literal["truncate", "drop"] = must_match("truncate")
+    """chat only: a conversation longer than seq_len + 1 tokens is cut after its last
+    assistant turn that fits (truncate; dropped when none fits) or dropped (drop)."""
 
     def __post_init__(self) -> None:
         _positive("data", seq_len=self.seq_len, global_batch_size=self.global_batch_size)
-        if self.kind == "tfds" and not self.name:
+        if self.kind in ("tfds", "chat") and not self.name:
             raise ConfigError(
-                "data.kind='tfds' needs data.name: the dataset prepared with "
+                f"data.kind={self.kind!r} needs data.name: the dataset prepared with "
                 "`python -m moetext.data.prepare --name NAME`, or python_docs (the embedded corpus)"
             )
         if self.prefetch < 1:
@@ -336,6 +349,10 @@ class TrainConfig:
     """Write `batch_hash`, a fingerprint of each step's global batch (whichever processes read
     it), to metrics.jsonl: shows that a resumed or moved run reads the batches an uninterrupted
     run reads. Costs a host-side hash and, with several processes, an all-gather per step."""
+    freeze: tuple[str, ...] = must_match(())
+    """Regexes: params whose "/"-joined unscanned name fully matches one (e.g.
+    `layers/\\d+/mlp/router/w`, under either model.scan_layers) are not trained and have no
+    optimizer state."""
     separate_update: bool = must_match(True)
     """Run the step as two jitted programs, the gradient then the optimizer update, instead of
     one: the same math with less peak memory on TPU, where one program holds a second copy of
@@ -364,6 +381,11 @@ class TrainConfig:
                     f"train.routing_trace={[start, stop]} must be [start, stop] with "
                     f"1 <= start <= stop (steps as the log numbers them, stop inclusive)"
                 )
+        for pattern in self.freeze:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ConfigError(f"train.freeze: {pattern!r} is not a regex: {e}") from None
         if any(i < 0 for i in self.profile_processes):
             raise ConfigError(
                 f"train.profile_processes={list(self.profile_processes)} must hold process "

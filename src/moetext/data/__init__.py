@@ -3,8 +3,9 @@
 `build(cfg, vocab_size, rows)` returns a `TrainData`: `next_batch()` gives the next batch's
 rows `rows` (moetext.data.batch), `get_state()`/`set_state()` the exact position (saved per
 process in every checkpoint), `eval_batches()` the fixed held-out batches. kind=tfds reads a
-dataset prepared by `python -m moetext.data.prepare` (moetext.data.pipeline); kind=synthetic is
-the seeded Markov stream the benchmarks use.
+dataset prepared by `python -m moetext.data.prepare` (moetext.data.pipeline); kind=chat one
+prepared with `--format chat` (moetext.data.chat_pipeline: conversations, a loss mask);
+kind=synthetic is the seeded Markov stream the benchmarks use.
 """
 
 from __future__ import annotations
@@ -146,7 +147,11 @@ def build(cfg: DataConfig, vocab_size: int, rows: Sequence[int] | None = None) -
     if cfg.kind == "tfds":
         dataset_dir, tokenizer = resolve_tfds(cfg, vocab_size)
         return TextTrainData(cfg, dataset_dir, tokenizer, rows)
-    raise ConfigError(f"unknown data.kind {cfg.kind!r}; valid: synthetic, tfds")
+    if cfg.kind == "chat":
+        from moetext.data import chat_pipeline
+
+        return chat_pipeline.build(cfg, vocab_size, rows)
+    raise ConfigError(f"unknown data.kind {cfg.kind!r}; valid: synthetic, tfds, chat")
 
 
 def resolve_tfds(cfg: DataConfig, vocab_size: int) -> tuple[str, Tokenizer]:

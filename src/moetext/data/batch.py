@@ -8,8 +8,13 @@ A batch is a dict of int32 arrays, each [B, S + 1] (B global rows, S = data.seq_
 - `positions`: the token's position inside its document (RoPE positions). A document that
   continues from the previous row keeps counting.
 
-A target counts in the loss only when it is not padding and belongs to the same segment as
-its input token, so no token is predicted from another document's context.
+- `loss_mask` (chat data only, moetext.data.chat_pipeline): 1 where the token is one the
+  model should learn to produce (an assistant turn's content and end-of-turn token), 0
+  elsewhere (system and user turns, role headers, padding).
+
+A target counts in the loss only when it is not padding, belongs to the same segment as
+its input token (so no token is predicted from another document's context) and, when the
+batch has a loss_mask, is marked there.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ if TYPE_CHECKING:
     import jax
 
 KEYS = ("tokens", "segment_ids", "positions")
+LOSS_MASK = "loss_mask"
 
 Batch = dict[str, np.ndarray]
 
@@ -41,11 +47,14 @@ def from_tokens(tokens_BS1: np.ndarray) -> Batch:
 
 
 def target_mask[A: (np.ndarray, jax.Array)](batch: Mapping[str, A]) -> A:
-    """[B, S] bool: targets that count in the loss (not padding, same document as the input).
-    NumPy or jax arrays alike (the train step and the data statistics share it)."""
+    """[B, S] bool: targets that count in the loss (not padding, same document as the input,
+    and marked in the batch's loss_mask when it has one). NumPy or jax arrays alike (the train
+    step and the data statistics share it)."""
     seg = batch["segment_ids"]
     # Annotated: numpy's stubs type comparisons of an array of unknown dtype as Any.
     mask: A = (seg[:, 1:] != 0) & (seg[:, 1:] == seg[:, :-1])
+    if LOSS_MASK in batch:
+        mask = mask & (batch[LOSS_MASK][:, 1:] != 0)
     return mask
 
 

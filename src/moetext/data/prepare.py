@@ -1,12 +1,16 @@
 """Local text files -> a TFDS dataset (array_record, splits train/eval) + a tokenizer beside it.
 
     python -m moetext.data.prepare --input 'corpus/*.jsonl' --name my_corpus --data_dir DIR
+    python -m moetext.data.prepare --format chat --input 'chats/*.jsonl' --name my_chats ...
 
 Writes DATA_DIR/NAME/VERSION/: the TFDS files, the tokenizer (`tokenizer.model`, or the
 `--tokenizer` given: `tokenizer.json` + `tokenizer_config.json` for Hugging Face) and
 `moetext_prepare.json` (the inputs' fingerprint: paths, sizes, mtimes; every option; counts).
 
 - Inputs (moetext.data.sources): .txt, .jsonl, .jsonl.gz files, directories, globs; streamed.
+  --format chat: .jsonl(.gz) conversations (moetext.data.chat_source), stored as the JSON of
+  their messages (feature `messages`, with `source` = file:line); a tokenizer trained for them
+  has <|im_start|> and <|im_end|> as single pieces (the built-in ChatML template's tokens).
 - Split: a document is in `eval` when a hash of its key (file + line/block) is below
   eval_fraction. Tiny corpora: if that leaves eval empty (eval_fraction > 0, >= 2 documents)
   the train document with the smallest hash moves there, and if it leaves train empty the
@@ -35,11 +39,12 @@ import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from moetext.data import sources, tfds_text
+from moetext.data import chat_source, sources, tfds_text
+from moetext.data.chat_template import CHATML_TOKENS
 from moetext.data.sources import SourceFile, TxtMode
 from moetext.data.tokenizer import SENTENCEPIECE_FILE, Tokenizer, load_tokenizer
 from moetext.data.train_tokenizer import MIN_VOCAB_SIZE, ModelType, train_from_split
@@ -48,6 +53,9 @@ RECORD_FILE = "moetext_prepare.json"
 RECORD_FORMAT = 1
 DEFAULT_VERSION = "1.0.0"
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")  # TFDS uses it in file names
+Format = Literal["text", "chat"]
+# want(key) -> bool, or None for all -> the documents of the inputs, in order.
+Reader = Callable[[Callable[[str], bool] | None], Iterator[sources.Document]]
 
 
 @dataclass(frozen=True)
@@ -88,13 +96,18 @@ class _Scan:
         return PrepareStats(dict(self.documents), dict(self.characters), self.invalid, self.empty)
 
 
-def _scan(
-    files: Sequence[SourceFile], text_key: str, txt_mode: TxtMode, eval_fraction: float
-) -> _Scan:
+def _reader(files: Sequence[SourceFile], opt: Mapping[str, Any]) -> Reader:
+    if opt.get("format") == "chat":
+        return lambda want: chat_source.iter_conversations(files, want=want)
+    key, mode = opt["text_key"], opt["txt_mode"]
+    return lambda want: sources.iter_documents(files, text_key=key, txt_mode=mode, want=want)
+
+
+def _scan(read: Reader, eval_fraction: float) -> _Scan:
     scan = _Scan(eval_fraction)
     lowest: tuple[float, str, int] | None = None  # (hash, key, characters) of train docs
     highest: tuple[float, str, int] | None = None  # of eval docs
-    for doc in sources.iter_documents(files, text_key=text_key, txt_mode=txt_mode):
+    for doc in read(None):
         if doc.text is None:
             scan.invalid += 1
             scan.first_invalid = scan.first_invalid or doc.where
@@ -182,15 +195,20 @@ def prepare(
     with_tokenizer: bool = True,
     extra: Mapping[str, Any] | None = None,
     quiet: bool = False,
+    format: Format = "text",
 ) -> PrepareResult:
     """Prepares DATA_DIR/NAME/VERSION from the inputs (see the module docstring).
 
     with_tokenizer=False writes no tokenizer (moetext.data.corpus trains its own per vocab
     size); `extra` is recorded with the options (a change counts as other options); quiet
-    silences TFDS's progress output.
+    silences TFDS's progress output; format="chat" reads conversations (module docstring).
     """
     _check_options(name, version, txt_mode, eval_fraction, vocab_size, model_type, sample_chars)
+    if format not in ("text", "chat"):
+        raise ValueError(f"--format {format!r}: expected text or chat")
     files = sources.resolve_inputs(inputs)
+    if format == "chat":
+        chat_source.check_files(files)
     given = load_tokenizer(tokenizer) if tokenizer and with_tokenizer else None
     data_dir = os.path.abspath(os.path.expanduser(data_dir))
     options = {
@@ -205,6 +223,8 @@ def prepare(
         "sample_chars": sample_chars,
         "with_tokenizer": with_tokenizer,
         "extra": dict(extra or {}),
+        # Only chat datasets record it: text datasets prepared before it existed stay current.
+        **({"format": format} if format == "chat" else {}),
     }
     record = _record(files, given.files if given else [], options)
     final = os.path.join(data_dir, name, version)
@@ -221,7 +241,7 @@ def prepare(
             f"{final} already holds a dataset prepared with {_difference(old, record)}; "
             f"pass --overwrite to replace it, or choose another --name or --data_dir"
         )
-    scan = _scan(files, text_key, txt_mode, eval_fraction)
+    scan = _scan(_reader(files, options), eval_fraction)
     _check_scan(scan, files)
     if scan.invalid:
         print(
@@ -252,8 +272,12 @@ def _build(
         print(f"prepare: writing {docs['train']:,} train + {docs['eval']:,} eval documents")
     try:
         splits = [s for s in ("train", "eval") if scan.documents[s]]
-        generate = _split_documents(files, scan, opt["text_key"], opt["txt_mode"])
-        built = tfds_text.write(staging, opt["name"], opt["version"], splits, generate, quiet=quiet)
+        chat = opt.get("format") == "chat"
+        generate = _split_documents(_reader(files, opt), scan, chat)
+        built = tfds_text.write(
+            staging, opt["name"], opt["version"], splits, generate, quiet=quiet,
+            features=("messages", "source") if chat else ("text",),
+        )  # fmt: skip
         tok_name = _add_tokenizer(built, given, opt, scan.characters["train"], quiet)
         stats = scan.stats()
         record = {**record, "stats": dataclasses.asdict(stats), "tokenizer": tok_name}
@@ -270,18 +294,16 @@ def _build(
     return PrepareResult(final, os.path.join(final, tok_name) if tok_name else None, stats, True)
 
 
-def _split_documents(
-    files: Sequence[SourceFile], scan: _Scan, text_key: str, txt_mode: TxtMode
-) -> tfds_text.Generate:
+def _split_documents(read: Reader, scan: _Scan, chat: bool) -> tfds_text.Generate:
     """split -> (key, text) of its documents (the others are not parsed)."""
 
-    def generate(split: str) -> Iterator[tuple[str, str]]:
+    def generate(split: str) -> Iterator[tuple[str, str | dict[str, str]]]:
         def want(key: str) -> bool:
             return scan.split_of(key) == split
 
-        for doc in sources.iter_documents(files, text_key=text_key, txt_mode=txt_mode, want=want):
+        for doc in read(want):
             if doc.text is not None and doc.text.strip():
-                yield doc.key, doc.text
+                yield doc.key, {"messages": doc.text, "source": doc.where} if chat else doc.text
 
     return generate
 
@@ -302,6 +324,7 @@ def _add_tokenizer(
         sample_chars=opt["sample_chars"],
         total_chars=train_chars,
         quiet=quiet,
+        user_defined_symbols=CHATML_TOKENS if opt.get("format") == "chat" else (),
     )
     return SENTENCEPIECE_FILE
 
@@ -377,6 +400,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Prepare local text files as a TFDS dataset plus a tokenizer.",
     )
     p.add_argument("--input", action="append", required=True, help="file, directory or glob")
+    p.add_argument(
+        "--format", choices=["text", "chat"], default="text",
+        help="text documents, or chat conversations (JSONL messages or prompt/completion)",
+    )  # fmt: skip
     p.add_argument("--name", required=True, help="dataset name (letters, digits, _)")
     p.add_argument("--data_dir", required=True, help="written to DATA_DIR/NAME/1.0.0/")
     p.add_argument("--text_key", default="text", help="JSONL field holding the text")
@@ -393,6 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             a.input, a.name, a.data_dir, text_key=a.text_key, txt_mode=a.txt_mode,
             eval_fraction=a.eval_fraction, vocab_size=a.vocab_size, model_type=a.model_type,
             tokenizer=a.tokenizer, sample_chars=a.sample_chars, overwrite=a.overwrite,
+            format=a.format,
         )  # fmt: skip
     except (ValueError, FileNotFoundError) as e:
         print(f"prepare: error: {e}", file=sys.stderr)

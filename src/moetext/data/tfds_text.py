@@ -1,4 +1,5 @@
-"""Write a TFDS dataset of {"text": str} records (array_record files) from a generator per split.
+"""Write a TFDS dataset of {"text": str} records (array_record files) from a generator per split
+(or of other text features: chat data is {"messages": JSON text, "source": "file:line"}).
 
 The builder class is made on the fly (`skip_registration=True`): it never enters the TFDS
 catalog, and the dataset is read back by path (`tfds.builder_from_directory`), so no TFDS
@@ -17,12 +18,19 @@ import unittest.mock
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-# split name -> (key, text) pairs; keys are unique across the dataset.
-Generate = Callable[[str], Iterator[tuple[str, str]]]
+# split name -> (key, text) pairs, or (key, {feature: text}); keys are unique across the dataset.
+Generate = Callable[[str], Iterator[tuple[str, str | dict[str, str]]]]
 
 
-def builder_class(name: str, version: str, splits: Sequence[str], generate: Generate) -> Any:
-    """A GeneratorBasedBuilder for {"text": Text} whose split S holds generate(S)."""
+def builder_class(
+    name: str,
+    version: str,
+    splits: Sequence[str],
+    generate: Generate,
+    features: Sequence[str] = ("text",),
+) -> Any:
+    """A GeneratorBasedBuilder for {feature: Text} whose split S holds generate(S) (a plain
+    string is the one feature of a single-feature dataset)."""
     import tensorflow_datasets as tfds
 
     dataset_name, dataset_version = name, version
@@ -40,7 +48,7 @@ def builder_class(name: str, version: str, splits: Sequence[str], generate: Gene
             return tfds.core.DatasetInfo(
                 builder=self,
                 description="Local text prepared by moetext.data.prepare.",
-                features=tfds.features.FeaturesDict({"text": tfds.features.Text()}),
+                features=tfds.features.FeaturesDict({f: tfds.features.Text() for f in features}),
             )
 
         def _split_generators(self, dl_manager: Any) -> dict[str, Any]:
@@ -48,7 +56,7 @@ def builder_class(name: str, version: str, splits: Sequence[str], generate: Gene
 
         def _generate_examples(self, split: str) -> Iterator[tuple[str, dict[str, str]]]:
             for key, text in generate(split):
-                yield key, {"text": text}
+                yield key, text if isinstance(text, dict) else {features[0]: text}
 
     return LocalText
 
@@ -61,10 +69,11 @@ def write(
     generate: Generate,
     *,
     quiet: bool = False,
+    features: Sequence[str] = ("text",),
 ) -> str:
     """Writes DATA_DIR/NAME/VERSION (TFDS builds in an incomplete.* dir and renames it at the
     end); returns that directory. Every split must yield at least one record."""
-    builder = builder_class(name, version, splits, generate)(
+    builder = builder_class(name, version, splits, generate, features)(
         data_dir=data_dir, file_format="array_record"
     )
     # The download dir is unused, but TFDS creates it: keep it out of data_dir.

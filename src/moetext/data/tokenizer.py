@@ -19,6 +19,8 @@ from etils import epath
 SENTENCEPIECE_FILE = "tokenizer.model"
 HF_FILE = "tokenizer.json"
 HF_CONFIG_FILE = "tokenizer_config.json"
+# transformers >= 4.43 saves the chat template in its own file beside the tokenizer.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 # End-of-text tokens of well-known byte-level BPE families (GPT-2/Qwen, Llama 2, Gemma, Llama 3),
 # tried in this order when no tokenizer_config.json names the EOS.
 HF_EOS_FALLBACKS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
@@ -37,6 +39,14 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """encode(text) and each id's [start, end) character span in text."""
+        ...
+
+    def token_id(self, token: str) -> int | None:
+        """The id of `token` when it is one piece of the vocabulary, else None."""
+        ...
+
     def decode(self, ids: Iterable[int]) -> str: ...
 
     def save(self, directory: str) -> str: ...
@@ -48,7 +58,7 @@ class SentencePieceTokenizer:
     def __init__(self, path: str):
         import sentencepiece as spm
 
-        self.path, self.files = str(path), [str(path)]
+        self.path, self.files = str(path), [str(path), *_chat_template_files(str(path))]
         try:
             self._sp = spm.SentencePieceProcessor(model_file=self.path)
         except (OSError, RuntimeError) as e:
@@ -65,6 +75,14 @@ class SentencePieceTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._sp.encode(text))
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        mapped = self._sp.encode_as_offset_mapping(text)  # character offsets
+        return [int(i) for i in mapped["ids"]], [(int(a), int(b)) for a, b in mapped["offsets"]]
+
+    def token_id(self, token: str) -> int | None:
+        i = int(self._sp.piece_to_id(token))
+        return None if i == self._sp.unk_id() or self._sp.id_to_piece(i) != token else i
+
     def decode(self, ids: Iterable[int]) -> str:
         return str(self._sp.decode([int(i) for i in ids]))
 
@@ -73,6 +91,7 @@ class SentencePieceTokenizer:
         out = epath.Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         epath.Path(self.path).copy(out / SENTENCEPIECE_FILE, overwrite=True)
+        _copy_chat_template(self.path, out)
         saved: str = os.fspath(out / SENTENCEPIECE_FILE)  # (etils.epath is untyped: Any)
         return saved
 
@@ -96,6 +115,7 @@ class HfTokenizer:
         config_path = os.path.join(os.path.dirname(os.path.abspath(self.path)), HF_CONFIG_FILE)
         self.config_path = config_path if os.path.isfile(config_path) else None
         self.files = [self.path] + ([config_path] if self.config_path else [])
+        self.files += _chat_template_files(self.path)
         try:
             self._tok = _HfTokenizer.from_file(self.path)
         except Exception as e:  # the Rust side raises a bare Exception for a bad file
@@ -156,6 +176,14 @@ class HfTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return list(enc.ids), [(int(a), int(b)) for a, b in enc.offsets]
+
+    def token_id(self, token: str) -> int | None:
+        i = self._tok.token_to_id(token)
+        return None if i is None else int(i)
+
     def decode(self, ids: Iterable[int]) -> str:
         return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=False))
 
@@ -166,11 +194,24 @@ class HfTokenizer:
         epath.Path(self.path).copy(out / HF_FILE, overwrite=True)
         if self.config_path:
             epath.Path(self.config_path).copy(out / HF_CONFIG_FILE, overwrite=True)
+        _copy_chat_template(self.path, out)
         saved: str = os.fspath(out / HF_FILE)  # (etils.epath is untyped: Any)
         return saved
 
     def __repr__(self) -> str:
         return f"HfTokenizer({self.path!r}, vocab_size={self.vocab_size})"
+
+
+def _chat_template_files(tokenizer_path: str) -> list[str]:
+    path = os.path.join(os.path.dirname(os.path.abspath(tokenizer_path)), CHAT_TEMPLATE_FILE)
+    return [path] if os.path.isfile(path) else []
+
+
+def _copy_chat_template(tokenizer_path: str, out: Any) -> None:
+    """Copies a chat_template.jinja beside the tokenizer file along with it."""
+    template = epath.Path(os.path.dirname(os.path.abspath(tokenizer_path))) / CHAT_TEMPLATE_FILE
+    if template.is_file():
+        template.copy(out / CHAT_TEMPLATE_FILE, overwrite=True)
 
 
 def _token_content(token: Any) -> str | None:

@@ -11,6 +11,7 @@ documents are fed as lines, long lines cut into chunks.
 from __future__ import annotations
 
 import io
+import json
 import math
 import os
 import re
@@ -41,8 +42,7 @@ def sample_lines(source: Sequence[Any], max_chars: int, total_chars: int | None)
     budget = max_chars
     for start in range(stride):
         for i in range(start, n, stride):
-            text = source[i]["text"]
-            text = text.decode("utf-8") if isinstance(text, bytes) else str(text)
+            text = _record_text(source[i])
             for line in text.split("\n"):
                 for c in range(0, len(line), LINE_CHARS):
                     chunk = line[c : c + LINE_CHARS]
@@ -55,11 +55,27 @@ def sample_lines(source: Sequence[Any], max_chars: int, total_chars: int | None)
                         return
 
 
+def _record_text(record: dict[str, Any]) -> str:
+    """A prepared record's text: {"text"}, or a chat record's message contents, one a line."""
+    if "text" in record:
+        text = record["text"]
+        return text.decode("utf-8") if isinstance(text, bytes) else str(text)
+    raw = record["messages"]
+    messages = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
+    return "\n".join(str(m.get("content") or "") for m in messages)
+
+
 def train_sentencepiece(
-    lines: Iterable[str], out_path: str, *, vocab_size: int, model_type: ModelType = "bpe"
+    lines: Iterable[str],
+    out_path: str,
+    *,
+    vocab_size: int,
+    model_type: ModelType = "bpe",
+    user_defined_symbols: Sequence[str] = (),
 ) -> str:
     """Trains on `lines` and writes the model to out_path (atomically). Raises ValueError
-    naming the limit when vocab_size is too small or too large for the text."""
+    naming the limit when vocab_size is too small or too large for the text.
+    user_defined_symbols become single pieces wherever they appear (chat templates' tokens)."""
     import sentencepiece as spm
 
     counted = _Counted(lines)
@@ -84,6 +100,7 @@ def train_sentencepiece(
             unk_id=SPECIAL_IDS["unk_id"],
             bos_id=SPECIAL_IDS["bos_id"],
             eos_id=SPECIAL_IDS["eos_id"],
+            user_defined_symbols=list(user_defined_symbols),
         )
     except RuntimeError as e:
         if counted.error is not None:  # sentencepiece reports the iterator's own error vaguely
@@ -164,6 +181,7 @@ def train_from_split(
     total_chars: int | None = None,
     split: str = "train",
     quiet: bool = False,
+    user_defined_symbols: Sequence[str] = (),
 ) -> str:
     """A tokenizer trained on up to sample_chars characters of a prepared split."""
     import tensorflow_datasets as tfds
@@ -177,7 +195,13 @@ def train_from_split(
             file=sys.stderr,
         )
     lines = sample_lines(source, sample_chars, total_chars)
-    return train_sentencepiece(lines, out_path, vocab_size=vocab_size, model_type=model_type)
+    return train_sentencepiece(
+        lines,
+        out_path,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        user_defined_symbols=user_defined_symbols,
+    )
 
 
 __all__ = [

@@ -1,6 +1,8 @@
-"""python -m moetext.generate CONFIG --checkpoint DIR --prompt TEXT [--prompt ...] [key=value ...]
+"""python -m moetext.generate CONFIG --checkpoint DIR (--prompt T | --chat T) [...] [key=value]
 
-One completion per prompt on stdout (--jsonl: one JSON object per prompt); logs on stderr.
+One completion per prompt (or one assistant reply per --chat conversation) on stdout (--jsonl:
+one JSON object each); logs on stderr. `--chat -` reads user turns from stdin, one a line, as
+one multi-turn conversation.
 """
 
 from __future__ import annotations
@@ -10,19 +12,26 @@ import json
 import logging
 import sys
 import time
+from typing import Any
 
 import moetext  # noqa: F401  (quiets libtpu's TPU probing where there is no TPU)
 from moetext.errors import ConfigError
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m moetext.generate", description=__doc__)
     p.add_argument("config", help="the run's config.yml (or any config describing the model)")
     p.add_argument("overrides", nargs="*", help="section.key=value, as for python -m train")
     p.add_argument(
         "--checkpoint", required=True, help="a run's checkpoints/<step>/ or a conversion"
     )
-    p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", action="append", help="text to continue; repeat for a batch")
+    what.add_argument(
+        "--chat", action="append", help="a user message (its own conversation; repeat for a "
+        "batch), answered with the chat template; '-': a multi-turn session on stdin",
+    )  # fmt: skip
+    p.add_argument("--system", help="--chat: a system message at the start of each conversation")
     p.add_argument("--max_new_tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top_k", type=int, default=0, help="0: no top-k cut")
@@ -31,37 +40,47 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max_len", type=int, help="cache slots per row (default: data.seq_len)")
     p.add_argument("--tokenizer", help="default: the checkpoint's or the run's tokenizer")
     p.add_argument("--jsonl", action="store_true", help="JSON lines instead of plain text")
-    args = p.parse_intermixed_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_intermixed_args(argv)
     # orbax reports routine facts (no per-process OCDBT subdirs to merge, no step metadata
     # in a state/ item) as absl warnings; this command's own errors are one `error:` line.
     logging.getLogger("absl").setLevel(logging.ERROR)
     try:
-        from moetext.generate import Sampling, batch_shards, generate_text, load
+        from moetext.generate import Sampling, batch_shards, load
         from moetext.program import make_plan
 
-        sampling = Sampling(args.temperature, args.top_k, args.top_p)
         t0 = time.perf_counter()
         cfg, model, tok = load(args.config, args.checkpoint, args.overrides, args.tokenizer)
         print(f"loaded {args.checkpoint} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-        t0 = time.perf_counter()
         plan = make_plan(cfg)
+        run = dict(
+            max_new_tokens=args.max_new_tokens,
+            sampling=Sampling(args.temperature, args.top_k, args.top_p),
+            seed=args.seed,
+            max_len=args.max_len or cfg.data.seq_len,
+            batch_multiple=batch_shards(plan),
+        )
         with plan.rules():  # the preset's activation sharding and MoE dispatch, as in training
-            texts, out = generate_text(
-                model,
-                tok,
-                args.prompt,
-                max_new_tokens=args.max_new_tokens,
-                sampling=sampling,
-                seed=args.seed,
-                max_len=args.max_len or cfg.data.seq_len,
-                batch_multiple=batch_shards(plan),
-            )
-        n = sum(len(t) for t in out.tokens)
-        dt = time.perf_counter() - t0
-        print(f"generated {n} tokens in {dt:.1f} s (with compilation)", file=sys.stderr)
+            if args.chat:
+                return _chat(args, cfg, model, tok, run)
+            _complete(args, model, tok, run)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _complete(args: argparse.Namespace, model: Any, tok: Any, run: dict[str, Any]) -> None:
+    from moetext.generate import generate_text
+
+    t0 = time.perf_counter()
+    texts, out = generate_text(model, tok, args.prompt, **run)
+    n = sum(len(t) for t in out.tokens)
+    dt = time.perf_counter() - t0
+    print(f"generated {n} tokens in {dt:.1f} s (with compilation)", file=sys.stderr)
     for prompt, text, ids, eos in zip(
         args.prompt, texts, out.tokens, out.stopped_at_eos, strict=True
     ):
@@ -69,6 +88,48 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"prompt": prompt, "completion": text, "tokens": ids, "eos": eos}))
         else:
             print(text)
+
+
+def _chat(args: argparse.Namespace, cfg: Any, model: Any, tok: Any, run: dict[str, Any]) -> int:
+    import os
+
+    from moetext.generate import chat
+
+    template = chat.template_for(tok, cfg.data.chat_template)
+    ckpt = os.path.abspath(args.checkpoint)
+    dirs = [ckpt, os.path.dirname(os.path.abspath(tok.path))]
+    stop = chat.stop_ids(template, tok, *dirs)
+    if args.chat == ["-"]:
+        return _session(args, model, tok, template, stop, run)
+    if "-" in args.chat:
+        raise ConfigError("--chat -: a stdin session is the only --chat of its command")
+    convs = [chat.conversation(u, args.system) for u in args.chat]
+    replies, out = chat.reply(model, tok, template, convs, stop=stop, **run)
+    for user, text, ids, eos in zip(
+        args.chat, replies, out.tokens, out.stopped_at_eos, strict=True
+    ):
+        if args.jsonl:
+            print(json.dumps({"prompt": user, "completion": text, "tokens": ids, "eos": eos}))
+        else:
+            print(text)
+    return 0
+
+
+def _session(args: Any, model: Any, tok: Any, template: Any, stop: Any, run: Any) -> int:
+    """One conversation on stdin: each line a user turn, each reply printed and kept."""
+    from moetext.generate import chat
+
+    conv = [{"role": "system", "content": args.system}] if args.system else []
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        conv.append({"role": "user", "content": line.rstrip("\n")})
+        (text,), out = chat.reply(model, tok, template, [conv], stop=stop, **run)
+        conv.append({"role": "assistant", "content": text})
+        if args.jsonl:
+            print(json.dumps({"prompt": conv[-2]["content"], "completion": text}), flush=True)
+        else:
+            print(text, flush=True)
     return 0
 
 

@@ -42,7 +42,7 @@ def generate_ids(
     prompts: Sequence[Sequence[int]],
     *,
     max_new_tokens: int,
-    eos_id: int,
+    eos_id: int | Sequence[int],
     pad_id: int = 0,
     sampling: Sampling | None = None,
     seed: int = 0,
@@ -57,8 +57,10 @@ def generate_ids(
     Called under a plan's `rules()` (as `python -m moetext.generate` does), the step is traced
     with the preset's activation constraints and sharded MoE dispatch; the batch is then padded
     with copies of the first prompt to a multiple of `batch_multiple` (the batch's shard count),
-    and those rows are dropped from the result."""
+    and those rows are dropped from the result. eos_id may be several ids (a chat's end-of-turn
+    tokens and EOS): a row stops at the first of any."""
     sampling = sampling or Sampling()
+    stop = (eos_id,) if isinstance(eos_id, int) else tuple(sorted({int(i) for i in eos_id}))
     if not prompts:
         raise ConfigError("no prompts to continue")
     if max_new_tokens < 1:
@@ -83,12 +85,12 @@ def generate_ids(
     graphdef, state = nnx.split(model)
     active = logical.current()
     rules_key = None if active is None else (id(active[0]), active[1])
-    run = _compiled(graphdef, max_new_tokens, sampling, eos_id, pad_id, return_logits, rules_key)
+    run = _compiled(graphdef, max_new_tokens, sampling, stop, pad_id, return_logits, rules_key)
     out_BN, done_B, logits = run(state, prompts_BP, first_valid_B, jax.random.key(seed))
     out_BN, done_B = np.asarray(out_BN)[:real], np.asarray(done_B)[:real]
     tokens, stopped = [], []
     for row in out_BN:
-        hits = np.flatnonzero(row == eos_id)
+        hits = np.flatnonzero(np.isin(row, stop))
         tokens.append(row[: hits[0]].tolist() if hits.size else row.tolist())
         stopped.append(bool(hits.size))
     return Generated(tokens, stopped, np.asarray(logits)[:real] if return_logits else None)
@@ -99,7 +101,7 @@ def _compiled(
     graphdef: Any,
     max_new: int,
     sampling: Sampling,
-    eos_id: int,
+    stop: tuple[int, ...],
     pad_id: int,
     return_logits: bool,
     rules_key: Any,
@@ -124,7 +126,8 @@ def _compiled(
         buf_BNV = jnp.zeros((b, max_new if return_logits else 1, v), jnp.float32)
         if return_logits:
             buf_BNV = buf_BNV.at[:, 0].set(last_BV)
-        done_B = tok_B == eos_id
+        stops = jnp.asarray(stop, jnp.int32)
+        done_B = jnp.isin(tok_B, stops)
 
         def cond(c: tuple[Any, ...]) -> jax.Array:
             i, _, _, _, done, _ = c
@@ -141,7 +144,7 @@ def _compiled(
             out = out.at[:, i].set(nxt)
             if return_logits:
                 buf = buf.at[:, i].set(jnp.where(done[:, None], 0.0, logits_BV))
-            return i + 1, nxt, caches, out, done | (nxt == eos_id), buf
+            return i + 1, nxt, caches, out, done | jnp.isin(nxt, stops), buf
 
         init = (jnp.int32(1), tok_B, caches, out_BN, done_B, buf_BNV)
         _, _, _, out_BN, done_B, buf_BNV = jax.lax.while_loop(cond, body, init)

@@ -66,7 +66,9 @@ def build(
     family = models.get_family(cfg.model.family)
     # Before anything is traced: one error naming the family if the preset misses an axis.
     plan.check_names(sorted(family.logical_axes), f"model family {family.name!r}")
-    tx = optim.build(cfg.optim, cfg.train.steps)
+    tx = optim.build(
+        cfg.optim, cfg.train.steps, freeze=cfg.train.freeze, param_names=param_names(cfg)
+    )
     lr_schedule = optim.schedule(cfg.optim, cfg.train.steps)
 
     def create() -> tuple[TrainState, nnx.State[Any, Any]]:
@@ -102,6 +104,23 @@ def build(
         plan,
         shardings[0],
     )
+
+
+def param_names(cfg: Config) -> optim.ParamNames:
+    """A param's key path -> its "/"-joined unscanned name(s) (train.freeze matches them): a
+    scan_layers stack holds one per layer, found with the family's stacked_path."""
+    family = models.get_family(cfg.model.family)
+
+    def names(keypath: tuple[Any, ...]) -> list[str]:
+        keys = (getattr(k, "key", getattr(k, "idx", None)) for k in keypath)
+        path: tuple[str | int, ...] = tuple(k for k in keys if k is not None)  # drops .value
+        if path[:1] != ("stacks",) or family.stacked_path is None:
+            return ["/".join(map(str, path))]
+        unscanned = [("layers", i, *path[2:]) for i in range(cfg.model.num_layers)]
+        held = [u for u in unscanned if family.stacked_path(cfg.model, u)[0] == path]
+        return ["/".join(map(str, u)) for u in held]
+
+    return names
 
 
 def make_plan(cfg: Config, devices: list[jax.Device] | None = None) -> sharding_plan.Plan:

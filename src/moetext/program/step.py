@@ -103,9 +103,10 @@ def make_train_step_parts(
 ]:
     """The train step's two halves: train_step_gradient(state, batch) -> (grads, (loss, ce, aux))
     and train_step_update(state, grads, (loss, ce, aux)) -> (state after one update, metrics):
-    loss, ce_loss, grad_norm, lr (of the step taken) and the model's aux outputs (moe_loss,
-    expert_load, ...). `program.jit_train_step` jits them as one program (`make_train_step`)
-    or, with train.separate_update, as two.
+    loss, ce_loss, grad_norm, lr (of the step taken), loss_tokens (the targets the loss is the
+    mean over: not padding, and in chat data only the trained ones) and the model's aux outputs
+    (moe_loss, expert_load, ...). `program.jit_train_step` jits them as one program
+    (`make_train_step`) or, with train.separate_update, as two.
 
     The update also advances the model state: a model with ModelState variables that follows
     models.ModelStateLM has `update_model_state(aux)` called on it, merged from the new params
@@ -131,8 +132,9 @@ def make_train_step_parts(
         )
 
     def train_step_gradient(state: TrainState, batch: Batch) -> tuple[Params, Losses]:
-        (loss, (ce, aux, _, _)), grads = grad_fn(state.params, batch, state.model_state)
-        return grads, (loss, ce, aux)
+        (loss, (ce, aux, _, count)), grads = grad_fn(state.params, batch, state.model_state)
+        # loss_tokens: the global count of trained targets (the loss is their mean).
+        return grads, (loss, ce, {**aux, "loss_tokens": count})
 
     def next_model_state(params: Params, state: TrainState, aux: dict[str, jax.Array]) -> Any:
         if not jax.tree.leaves(state.model_state):

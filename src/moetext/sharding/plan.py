@@ -79,6 +79,8 @@ class Plan:
         """A NamedSharding, or for an nnx Variable the Variable holding one (same metadata)."""
         if not _is_variable(leaf):
             return self.replicated
+        if not jax.tree.leaves(leaf.get_value()):  # optax.masked's MaskedNode (train.freeze)
+            return leaf
         names = logical_names(leaf)
         if names is None:
             return leaf.replace(value=self.replicated)
