@@ -54,8 +54,9 @@ class AuxAccumulator:
 
 
 def per_layer(aux: Aux) -> Aux:
-    """The per-layer statistics of a model's aux ([N, ...] each)."""
-    return {k: v for k, v in aux.items() if k not in AUX_KEYS}
+    """The per-layer statistics of a model's aux ([N, ...] each; scalars the step adds to the
+    aux, such as loss_tokens, are not per layer)."""
+    return {k: v for k, v in aux.items() if k not in AUX_KEYS and jnp.ndim(v) >= 1}
 
 
 def for_each_moe_block(
