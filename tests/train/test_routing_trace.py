@@ -1,0 +1,97 @@
+"""train.routing_trace: the window's steps, and nothing else, write each MoE layer's chosen
+experts ([B, S, K] int32 global ids) of the routing that step used."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from moetext import config, train
+from moetext.train.metrics import max_violation
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs/models/tiny-qwen3-moe.yml"
+B, S, E, K = 8, 16, 8, 2  # tiny config: 8 experts, top-2; short rows keep it fast
+COMMON = [
+    "train.progress_bar=false",
+    "train.peak_tflops=1.0",
+    "train.tensorboard=false",
+    "checkpoint.enabled=false",
+    "train.log_every=1",
+    "data.kind=synthetic",
+    f"data.seq_len={S}",
+    f"data.global_batch_size={B}",
+]
+
+
+def _trace(run_dir: Path) -> dict[int, dict[str, np.ndarray]]:
+    out = {}
+    for f in (run_dir / "routing_trace").iterdir():
+        assert f.name.startswith("step_") and f.suffix == ".npz", f.name
+        with np.load(f) as z:
+            out[int(f.stem.removeprefix("step_"))] = {k: z[k] for k in z.files}
+    return out
+
+
+def test_balanced_override_with_micro_batches_gives_the_known_ids(tmp_path):
+    # routing_override=balanced sends token t of what one MoE block sees to (t K + j) mod E.
+    # With grad_accum_steps=2 a block sees micro-batch i = rows i, 2 + i, ... flattened
+    # row-major, so the batch's row r = 2 m + i holds micro-batch tokens t = m S + s: this
+    # checks the trace runs micro-batch by micro-batch and puts the rows back in batch order.
+    cfg = config.load(
+        TINY,
+        [
+            *COMMON,
+            f"train.run_dir={tmp_path}",
+            "train.steps=3",
+            "train.routing_trace=[2,3]",
+            "moe.routing_override=balanced",
+            "train.grad_accum_steps=2",
+        ],
+    )
+    train.run(cfg)
+    trace = _trace(tmp_path)
+    assert sorted(trace) == [2, 3]
+    assert not list((tmp_path / "routing_trace").glob("*.tmp"))
+    r_B, s_S, j_K = np.meshgrid(np.arange(B), np.arange(S), np.arange(K), indexing="ij")
+    t = (r_B // 2) * S + s_S
+    want = (t * K + j_K) % E
+    for step in (2, 3):
+        assert sorted(trace[step]) == ["layer_0", "layer_1"]
+        for ids in trace[step].values():
+            assert ids.dtype == np.int32 and ids.shape == (B, S, K)
+            np.testing.assert_array_equal(ids, want)
+
+
+def test_trace_is_the_routing_each_step_used(tmp_path):
+    # sigmoid_topk with the bias moving (and the params): the ids of steps 1..3 must count to
+    # exactly the per-expert loads the train step itself logged for that step (max_vio is
+    # max/mean - 1 of integer counts, so equal counts give equal floats). Trace ids from the
+    # params after the update would route differently.
+    cfg = config.load(
+        TINY,
+        [
+            *COMMON,
+            f"train.run_dir={tmp_path}",
+            "train.steps=4",
+            "train.routing_trace=[1,3]",
+            "moe.router=sigmoid_topk",
+            "moe.bias_update_rate=0.05",
+            "moe.initial_bias=[0.5,0,0,0,0,0,0,0]",
+        ],
+    )
+    train.run(cfg)
+    trace = _trace(tmp_path)
+    assert sorted(trace) == [1, 2, 3]
+    # Routing moves from step to step, so a trace of the wrong step's params would show.
+    assert (trace[1]["layer_0"] != trace[2]["layer_0"]).any()
+    rows = {r["step"]: r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "loss" in r}
+    for step, layers in trace.items():
+        for name, ids in layers.items():
+            assert ids.shape == (B, S, K) and ids.dtype == np.int32
+            assert ids.min() >= 0 and ids.max() < E
+            # top-k picks K distinct experts per token
+            assert (np.sort(ids, axis=-1)[..., 1:] != np.sort(ids, axis=-1)[..., :-1]).all()
+            counts = np.bincount(ids.reshape(-1), minlength=E)
+            logged = rows[step][f"max_vio/{name}"]
+            assert max_violation(counts[None])[0] == logged, (step, name, counts, logged)
