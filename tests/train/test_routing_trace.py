@@ -64,27 +64,25 @@ def test_balanced_override_with_micro_batches_gives_the_known_ids(tmp_path):
 
 
 def test_trace_is_the_routing_each_step_used(tmp_path):
-    # sigmoid_topk with the bias moving (and the params): the ids of steps 1..3 must count to
-    # exactly the per-expert loads the train step itself logged for that step (max_vio is
-    # max/mean - 1 of integer counts, so equal counts give equal floats). Trace ids from the
-    # params after the update would route differently.
+    # sigmoid_topk with the bias moving (rate 0.05 against sigmoid scores near 0.5 at init, so
+    # every update moves many tokens): each traced step's ids must count to exactly the loads
+    # the train step itself logged for that step (max_vio: max/mean - 1 of integer counts, so
+    # equal counts give equal floats), and for the last step to its per-expert counts. Ids
+    # from the params and bias after the update would route differently.
     cfg = config.load(
         TINY,
         [
             *COMMON,
             f"train.run_dir={tmp_path}",
-            "train.steps=4",
+            "train.steps=3",
             "train.routing_trace=[1,3]",
             "moe.router=sigmoid_topk",
             "moe.bias_update_rate=0.05",
-            "moe.initial_bias=[0.5,0,0,0,0,0,0,0]",
         ],
     )
-    train.run(cfg)
+    last = train.run(cfg)
     trace = _trace(tmp_path)
     assert sorted(trace) == [1, 2, 3]
-    # Routing moves from step to step, so a trace of the wrong step's params would show.
-    assert (trace[1]["layer_0"] != trace[2]["layer_0"]).any()
     rows = {r["step"]: r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "loss" in r}
     for step, layers in trace.items():
         for name, ids in layers.items():
@@ -95,3 +93,10 @@ def test_trace_is_the_routing_each_step_used(tmp_path):
             counts = np.bincount(ids.reshape(-1), minlength=E)
             logged = rows[step][f"max_vio/{name}"]
             assert max_violation(counts[None])[0] == logged, (step, name, counts, logged)
+    # The last step's exact per-expert counts ([num_moe_layers, E], layers 0 and 1 in order).
+    counts_LE = np.stack(
+        [np.bincount(trace[3][f"layer_{i}"].reshape(-1), minlength=E) for i in (0, 1)]
+    )
+    np.testing.assert_array_equal(counts_LE, last["expert_counts"])
+    # Routing moves from step to step.
+    assert (trace[2]["layer_0"] != trace[3]["layer_0"]).any()
