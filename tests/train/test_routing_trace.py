@@ -2,10 +2,13 @@
 experts ([B, S, K] int32 global ids) of the routing that step used."""
 
 import json
+import socket
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
+from fake_devices import run_worker
 from moetext import config, train
 from moetext.train.metrics import max_violation
 
@@ -33,11 +36,17 @@ def _trace(run_dir: Path) -> dict[int, dict[str, np.ndarray]]:
     return out
 
 
+def _balanced_ids(b: int) -> np.ndarray:
+    """routing_override=balanced sends token t of what one MoE block sees to (t K + j) mod E.
+    With grad_accum_steps=2 a block sees micro-batch i = rows i, 2 + i, ... flattened
+    row-major, so the batch's row r = 2 m + i holds micro-batch tokens t = m S + s."""
+    r_B, s_S, j_K = np.meshgrid(np.arange(b), np.arange(S), np.arange(K), indexing="ij")
+    t = (r_B // 2) * S + s_S
+    return (t * K + j_K) % E
+
+
 def test_balanced_override_with_micro_batches_gives_the_known_ids(tmp_path):
-    # routing_override=balanced sends token t of what one MoE block sees to (t K + j) mod E.
-    # With grad_accum_steps=2 a block sees micro-batch i = rows i, 2 + i, ... flattened
-    # row-major, so the batch's row r = 2 m + i holds micro-batch tokens t = m S + s: this
-    # checks the trace runs micro-batch by micro-batch and puts the rows back in batch order.
+    # The trace runs micro-batch by micro-batch and puts the rows back in batch order.
     cfg = config.load(
         TINY,
         [
@@ -53,9 +62,7 @@ def test_balanced_override_with_micro_batches_gives_the_known_ids(tmp_path):
     trace = _trace(tmp_path)
     assert sorted(trace) == [2, 3]
     assert not list((tmp_path / "routing_trace").glob("*.tmp"))
-    r_B, s_S, j_K = np.meshgrid(np.arange(B), np.arange(S), np.arange(K), indexing="ij")
-    t = (r_B // 2) * S + s_S
-    want = (t * K + j_K) % E
+    want = _balanced_ids(B)
     for step in (2, 3):
         assert sorted(trace[step]) == ["layer_0", "layer_1"]
         for ids in trace[step].values():
@@ -100,3 +107,40 @@ def test_trace_is_the_routing_each_step_used(tmp_path):
     np.testing.assert_array_equal(counts_LE, last["expert_counts"])
     # Routing moves from step to step.
     assert (trace[2]["layer_0"] != trace[3]["layer_0"]).any()
+
+
+def test_two_processes_gather_the_global_batch_to_process_0(tmp_path):
+    # Two processes of 2 fake devices each, experts and tokens sharded (fsdp_ep): every process
+    # holds half the rows, process 0 writes the whole batch's ids in row order.
+    port = _free_port()
+    args = [
+        str(TINY),
+        *COMMON,
+        f"train.run_dir={tmp_path}",
+        "train.steps=2",
+        "train.routing_trace=[2,2]",
+        "moe.routing_override=balanced",
+        "train.grad_accum_steps=2",
+        "sharding.preset=fsdp_ep",
+    ]
+
+    def process(i: int) -> dict:
+        addr = f"127.0.0.1:{port}"
+        return run_worker(
+            "tests.train.routing_trace_worker", addr, "2", str(i), *args, timeout_s=600, devices=2
+        )
+
+    # Both at once: each blocks in jax.distributed.initialize until the other joins.
+    with ThreadPoolExecutor(2) as pool:
+        assert [r["process"] for r in pool.map(process, range(2))] == [0, 1]
+    trace = _trace(tmp_path)
+    assert sorted(trace) == [2]
+    for ids in trace[2].values():
+        np.testing.assert_array_equal(ids, _balanced_ids(B))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port

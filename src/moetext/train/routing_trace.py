@@ -19,8 +19,9 @@ where routing depends on the token's place in what the router sees: `routing_ove
 balanced numbers tokens within a micro-batch, and random draws per micro-batch. Only the
 global-batch loss buffer changes between micro-batches, which never changes routing.
 
-Multi-process: every process runs the program (it is SPMD); the ids are gathered with
-`multihost_utils.process_allgather` and process 0 writes them.
+Multi-process: every process runs the program (it is SPMD); its output is pinned replicated
+(the program all-gathers the ids, int32 [N_moe, B, S, K], onto every device) and process 0
+writes its own copy.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ import jax.numpy as jnp
 import numpy as np
 from etils import epath
 from flax import nnx
-from jax.experimental import multihost_utils
 
 from moetext.models import HiddenStatesLM
 from moetext.models.moe.block import IDS_KEY, capture_expert_ids
@@ -110,8 +110,13 @@ class RoutingTrace:
                 b.graphdef, b.rest, b.cfg.train.grad_accum_steps, b.batch_sharding
             )
             shardings = b.state_shardings
+            # Replicated out: every process then holds the whole batch's ids on its own
+            # devices (one all-gather in the program). Left to XLA, the output's sharding is
+            # not pinned, and gathering it afterwards is easy to get wrong across processes.
             self._fn = jax.jit(
-                fn, in_shardings=(shardings.params, b.batch_sharding, shardings.model_state)
+                fn,
+                in_shardings=(shardings.params, b.batch_sharding, shardings.model_state),
+                out_shardings=b.plan.replicated,
             )
 
     def due(self, step: int) -> bool:
@@ -136,10 +141,10 @@ class RoutingTrace:
         return ids
 
     def write(self, step: int, ids_LBSK: jax.Array) -> None:
-        """Gathers the ids onto every process; process 0 writes step_<step>.npz."""
-        host = np.asarray(multihost_utils.process_allgather(ids_LBSK, tiled=True), np.int32)
+        """Process 0 writes step_<step>.npz (the ids are replicated: its first device's copy)."""
         if jax.process_index() != 0:
             return
+        host = np.asarray(ids_LBSK.addressable_data(0), np.int32)
         if host.shape[0] != len(self._layer_ids):
             raise ValueError(
                 f"routing trace has {host.shape[0]} MoE layers, the family's pattern "
