@@ -44,3 +44,43 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, make):
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and str(run) in proc.stderr, proc.stderr
     assert not (tmp_path / "x.png").exists()
+
+
+def test_metric_panels_and_an_unlogged_metric(tmp_path):
+    # --metric draws the named keys (one panel each) instead of the four default panels.
+    runs = []
+    for name, vio in (("fast", 0.1), ("slow", 0.9)):
+        run = tmp_path / name
+        run.mkdir()
+        rows = [{"step": s, "loss": 3.0, "max_vio/layer_1": vio + 1 / s} for s in range(1, 6)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs.append(str(run))
+    out = tmp_path / "vio.png"
+    assert (
+        plot.main([*runs, "--metric", "max_vio/layer_1", "--metric", "loss", "--out", str(out)])
+        == 0
+    )
+    assert out.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    series = plot.read_series(runs[1], ["max_vio/layer_1"])
+    assert series["max_vio/layer_1"] == ([1, 2, 3, 4, 5], [0.9 + 1 / s for s in range(1, 6)])
+    # A name no run logged: one line naming it and what the runs do log; no PNG.
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moetext.plot",
+            *runs,
+            "--metric",
+            "loss",
+            "--metric",
+            "max_vio/layer_7",
+            "--out",
+            str(tmp_path / "x.png"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "max_vio/layer_7" in proc.stderr, proc.stderr
+    assert "max_vio/layer_1" in proc.stderr
+    assert not (tmp_path / "x.png").exists()

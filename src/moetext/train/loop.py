@@ -3,7 +3,8 @@
 `run` reads top to bottom; what it calls each lives in its own module: the compiled programs
 (moetext.program), where the run starts (resume.py), evaluation (evaluate.py), step time and
 MFU (throughput.py), the metric sinks (metrics.py), the non-finite policy (nonfinite.py),
-preemption (preemption.py) and the profiler window (profiler.py).
+preemption (preemption.py), the profiler window (profiler.py) and the routing trace
+(routing_trace.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from moetext.train import nonfinite, preemption, resume, rundir
 from moetext.train.batch_hash import global_batch_hash
 from moetext.train.evaluate import Evaluator
 from moetext.train.profiler import StepProfiler
+from moetext.train.routing_trace import RoutingTrace
 from moetext.train.throughput import Throughput
 
 Batch = dict[str, jax.Array]
@@ -67,13 +69,14 @@ def run(cfg: Config) -> dict[str, Any]:
         return global_batch_hash(batch, rows, cfg.data.global_batch_size)
 
     speed = Throughput(cfg)
+    moe_pattern = models.get_family(cfg.model.family).moe_layers(cfg.model)
     log = metrics_lib.MetricsLog(
         run_dir,
         cfg.train.steps,
         start,
         cfg.train.progress_bar,
         tensorboard=cfg.train.tensorboard,
-        moe_pattern=models.get_family(cfg.model.family).moe_layers(cfg.model),
+        moe_pattern=moe_pattern,
     )
     log.info(speed.peak.describe())
     last_ckpt = ckpt.latest_path if ckpt else lambda: None
@@ -88,6 +91,7 @@ def run(cfg: Config) -> dict[str, Any]:
         preemption.Preemption(sync_every=cfg.train.log_every),
         nonfinite.NonFiniteGuard(cfg.train.skip_nonfinite_steps, last_ckpt, log),
         StepProfiler(cfg.train.profile_steps, cfg.train.profile_processes, os.fspath(run_dir)),
+        RoutingTrace(b, run_dir, moe_pattern),
         config_lib.to_dict(cfg),  # saved with every checkpoint, checked on resume
         state,
         hash_batch if cfg.train.log_batch_hash else None,
@@ -112,6 +116,7 @@ class _Parts:
     preempt: preemption.Preemption
     guard: nonfinite.NonFiniteGuard
     profiler: StepProfiler
+    trace: RoutingTrace
     cfg_dict: dict[str, Any]
     state: TrainState
     hash_batch: Callable[[dict[str, np.ndarray]], str] | None  # train.log_batch_hash
@@ -145,11 +150,17 @@ def _train(p: _Parts, start: int) -> dict[str, Any]:
         p.log.write(
             {"step": start, "event": "compiled", "compile_s": compile_s, **p.speed.peak.fields()}
         )
+        p.trace.compile(p.state, batch, start + 1, steps)
     p.speed.restart()
     for step in range(start, steps):
         if line := p.profiler.before_step(step + 1, p.state):
             p.log.info(line)
+        # The routing trace reads the state the step starts from (dispatched first: the step
+        # donates it).
+        ids = p.trace.run(p.state, batch) if batch and p.trace.due(step + 1) else None
         p.state, m = train_step(p.state, batch)
+        if ids is not None:
+            p.trace.write(step + 1, ids)
         data_state = p.data.get_state()  # the position after this step's batch
         step_hash = batch_hash
         if step + 1 < steps:
