@@ -35,6 +35,7 @@ from moetext.models.moe.routers import (
     Routing,
     build_router,
 )
+from moetext.models.moe.routers.losses import expert_counts, load_fraction, token_mask
 
 __all__ = [
     "AUX_KEYS",
@@ -111,9 +112,10 @@ class MoEBlock(nnx.Module):
     shared_expert_gate: scale the shared experts' output per token by sigmoid(x @ w [D, 1])
     (Qwen2-MoE; needs cfg.num_shared_experts >= 1).
 
-    cfg.routing_override (benchmarks) replaces the router's choice after it ran (its losses and
-    metrics stay the router's): balanced sends token t to experts (t*K + j) mod E, random to K
-    distinct experts drawn from `override_key` (ModelState, advanced every step), weights 1/K.
+    cfg.routing_override (benchmarks) replaces the router's choice after it ran (its losses stay
+    the router's; the loads and counts become the override's): balanced sends token t to
+    experts (t*K + j) mod E, random to K distinct experts drawn from `override_key` (ModelState,
+    advanced every step), weights 1/K.
     """
 
     def __init__(
@@ -249,10 +251,11 @@ class MoEBlock(nnx.Module):
             )
         if self.cfg.routing_override == "none":
             return routing
-        return self._override(routing)
+        return self._override(routing, segment_ids_BS)
 
-    def _override(self, routing: Routing) -> Routing:
-        """Routing with the benchmark override's experts, weights 1/K."""
+    def _override(self, routing: Routing, segment_ids_BS: jax.Array | None) -> Routing:
+        """Routing with the benchmark override's experts, weights 1/K; its loads and counts
+        are the override's (what the experts computed), its losses the router's own."""
         (t, k), e = routing.ids_TK.shape, self.cfg.num_experts
         if self.cfg.routing_override == "balanced":
             ids_TK = (jnp.arange(t)[:, None] * k + jnp.arange(k)[None, :]) % e
@@ -260,7 +263,10 @@ class MoEBlock(nnx.Module):
             key = jax.random.wrap_key_data(self.override_key[...])
             ids_TK = jax.lax.top_k(jax.random.uniform(key, (t, e)), k)[1]
         weights_TK = jnp.full((t, k), 1.0 / k, jnp.float32)
-        return dataclasses.replace(routing, weights_TK=weights_TK, ids_TK=ids_TK.astype(jnp.int32))
+        ids_TK = ids_TK.astype(jnp.int32)
+        counts_E = expert_counts(ids_TK, token_mask(segment_ids_BS, t), e)
+        metrics = {**routing.metrics, LOAD_KEY: load_fraction(counts_E), COUNTS_KEY: counts_E}
+        return dataclasses.replace(routing, weights_TK=weights_TK, ids_TK=ids_TK, metrics=metrics)
 
     def _shared(self, x_TD: jax.Array) -> jax.Array:
         """The shared experts' output, scaled per token by sigmoid(x @ w) under
