@@ -39,6 +39,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from moetext import paths
 from moetext.data import sources, tfds_text
 from moetext.data.sources import SourceFile, TxtMode
 from moetext.data.tokenizer import SENTENCEPIECE_FILE, Tokenizer, load_tokenizer
@@ -389,6 +390,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true")
     a = p.parse_args(argv)
     try:
+        # Absolute at the boundary (~ expanded: the shell does not in --flag=~/x); --input
+        # globs are sources.resolve_inputs'.
+        a.data_dir = os.fspath(paths.writable_dir(a.data_dir, "--data_dir"))
+        if a.tokenizer is not None:
+            a.tokenizer = os.fspath(paths.existing(a.tokenizer, "--tokenizer"))
         prepare(
             a.input, a.name, a.data_dir, text_key=a.text_key, txt_mode=a.txt_mode,
             eval_fraction=a.eval_fraction, vocab_size=a.vocab_size, model_type=a.model_type,

@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
 import moetext  # noqa: F401  (quiets libtpu's TPU probing where there is no TPU)
+from moetext import paths
 from moetext.errors import ConfigError
 
 
@@ -36,12 +38,17 @@ def main(argv: list[str] | None = None) -> int:
     # in a state/ item) as absl warnings; this command's own errors are one `error:` line.
     logging.getLogger("absl").setLevel(logging.ERROR)
     try:
+        # Paths absolute at the boundary (orbax needs them so); a bad one is one line. The
+        # config is config.load's: a relative configs/... path may name a shipped config.
+        checkpoint = os.fspath(paths.existing_dir(args.checkpoint, "--checkpoint"))
+        tokenizer = args.tokenizer and os.fspath(paths.existing(args.tokenizer, "--tokenizer"))
+
         from moetext.generate import Sampling, batch_shards, generate_text, load
         from moetext.program import make_plan
 
         sampling = Sampling(args.temperature, args.top_k, args.top_p)
         t0 = time.perf_counter()
-        cfg, model, tok = load(args.config, args.checkpoint, args.overrides, args.tokenizer)
+        cfg, model, tok = load(args.config, checkpoint, args.overrides, tokenizer)
         print(f"loaded {args.checkpoint} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         t0 = time.perf_counter()
         plan = make_plan(cfg)
