@@ -42,6 +42,13 @@ def saved(tmp_path_factory) -> Path:
     return run_dir
 
 
+def test_checkpoint_saves_are_timed_apart_from_the_steps(saved):
+    rows = {r["step"]: r for r in map(json.loads, open(saved / "metrics.jsonl")) if "loss" in r}
+    # Saved at 2 and 4: those rows carry the save's time, which their step time leaves out.
+    assert [s for s, r in rows.items() if "checkpoint_time_s" in r] == [2, 4]
+    assert all(rows[s]["checkpoint_time_s"] > 0 and rows[s]["step_time_s"] > 0 for s in (2, 4))
+
+
 @pytest.fixture
 def run_dir(saved, tmp_path) -> Path:
     dst = tmp_path / "run"
