@@ -145,6 +145,37 @@ def test_no_usable_checkpoint_stops_with_one_line_and_exit_2(run_dir):
     assert not (run_dir / "checkpoints.broken").exists()
 
 
+def _delete_all_array_files(d: Path):
+    for f in [p for p in (d / "state").rglob("*") if p.is_file() and "/d/" in str(p)]:
+        f.unlink()
+
+
+ARRAY_DAMAGE = {
+    "array_file_deleted": _delete_array_file,
+    "array_file_truncated": _truncate_array_file,
+    "all_array_files_deleted": _delete_all_array_files,
+}
+
+
+@pytest.mark.parametrize("damage", list(ARRAY_DAMAGE))
+def test_failed_array_restores_leave_only_moetext_lines_on_stderr(run_dir, damage):
+    # Both steps' arrays damaged: two failed orbax restores in one process, then no usable
+    # checkpoint. Orbax's and tensorstore's own reports (absl warnings, 'Event loop is closed'
+    # callback tracebacks) are quieted at their source (checkpoint/orbax_noise.py).
+    for step in ("2", "4"):
+        ARRAY_DAMAGE[damage](run_dir / "checkpoints" / step)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    cmd = [sys.executable, "-m", "train", str(TINY), *BASE, f"train.run_dir={run_dir}"]
+    out = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = out.stderr.splitlines()
+    assert [x.split(":")[0] for x in lines] == [
+        "checkpoint",  # step 4: unusable checkpoint (...); trying the previous one
+        "checkpoint",  # step 2: the same
+        "checkpoint error",  # no usable checkpoint in ...
+    ], out.stderr
+
+
 @pytest.mark.parametrize(
     ("override", "field", "old", "new"),
     [("model.emb_dim=32", "model.emb_dim", "64", "32"), ("data.seed=7", "data.seed", "0", "7")],
