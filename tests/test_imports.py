@@ -15,17 +15,29 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "moetext"
 # package -> what it may import. Lower layers know nothing of the ones above them.
 LAYERS: dict[str, set[str]] = {
     "errors": set(),
-    "config": {"errors"},
-    "kernels": {"errors", "config"},
-    "sharding": {"errors", "config"},
-    "optim": {"errors", "config"},
-    "data": {"errors", "config"},
-    "checkpoint": {"errors", "config"},
-    "models": {"errors", "config", "kernels", "sharding"},
+    "paths": {"errors"},  # user paths resolved and checked at the boundary (every CLI)
+    "config": {"errors", "paths"},
+    "kernels": {"errors", "paths", "config"},
+    "sharding": {"errors", "paths", "config"},
+    "optim": {"errors", "paths", "config"},
+    "data": {"errors", "paths", "config"},
+    "checkpoint": {"errors", "paths", "config"},
+    "models": {"errors", "paths", "config", "kernels", "sharding"},
     # What is compiled (model, plan, train/eval steps): shared by train, aot, generate.
-    "program": {"errors", "config", "kernels", "sharding", "optim", "data", "models", "checkpoint"},
+    "program": {
+        "errors",
+        "paths",
+        "config",
+        "kernels",
+        "sharding",
+        "optim",
+        "data",
+        "models",
+        "checkpoint",
+    },
     "train": {
         "errors",
+        "paths",
         "config",
         "kernels",
         "sharding",
@@ -35,11 +47,20 @@ LAYERS: dict[str, set[str]] = {
         "models",
         "program",
     },
-    "aot": {"errors", "config", "kernels", "sharding", "models", "optim", "program"},
-    "convert": {"errors", "config", "models", "checkpoint"},
-    "generate": {"errors", "config", "sharding", "models", "data", "checkpoint", "program"},
-    "plot": {"errors"},
-    "cli": {"errors", "config", "sharding", "checkpoint", "models", "train"},
+    "aot": {"errors", "paths", "config", "kernels", "sharding", "models", "optim", "program"},
+    "convert": {"errors", "paths", "config", "models", "checkpoint"},
+    "generate": {
+        "errors",
+        "paths",
+        "config",
+        "sharding",
+        "models",
+        "data",
+        "checkpoint",
+        "program",
+    },
+    "plot": {"errors", "paths"},
+    "cli": {"errors", "paths", "config", "sharding", "checkpoint", "models", "train"},
 }
 
 

@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     from moetext import config, models  # noqa: F401
 
     try:
-        cfg = config.load(args.config, args.overrides)
+        cfg = config.load(args.config, args.overrides)  # paths made absolute (moetext.paths)
+        config.validate_paths(cfg)  # before anything is written
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

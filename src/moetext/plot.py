@@ -15,6 +15,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from moetext import paths
+
 PANELS = (
     ("loss", "train loss"),
     ("eval_loss", "eval loss"),
@@ -100,7 +102,7 @@ def plot(run_dirs: Sequence[str], out: str, metrics: Sequence[str] = ()) -> None
     for ax, (key, title) in zip(axes, panels, strict=False):
         for run_dir, series in runs:
             steps, values = series[key]
-            label = os.path.normpath(run_dir)
+            label = _label(run_dir)
             ax.plot(steps, values, marker="o" if len(steps) < 3 else None, ms=3, label=label)
         ax.set_title(title)
         ax.grid(alpha=0.3)
@@ -122,6 +124,12 @@ def plot(run_dirs: Sequence[str], out: str, metrics: Sequence[str] = ()) -> None
     plt.close(fig)
 
 
+def _label(run_dir: str) -> str:
+    """The run dir as the legend names it: relative to the working directory when under it."""
+    rel = os.path.relpath(run_dir)
+    return run_dir if rel.startswith("..") else rel
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m moetext.plot",
@@ -140,11 +148,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default="curves.png", help="PNG to write (default: curves.png)")
     args = p.parse_args(argv)
     try:
-        plot(args.run_dirs, args.out, args.metric)
-    except PlotError as e:
+        # Absolute at the boundary (~ expanded: the shell does not in --out=~/x).
+        run_dirs = [os.fspath(paths.existing_dir(d, "RUN_DIR")) for d in args.run_dirs]
+        out = os.fspath(paths.writable_file(args.out, "--out"))
+        plot(run_dirs, out, args.metric)
+    except (PlotError, paths.PathError) as e:
         print(f"moetext.plot: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
     return 0
 
 

@@ -2,6 +2,7 @@
 declarations are the rules resume and params loading have always applied."""
 
 import dataclasses
+import os
 
 import pytest
 
@@ -142,10 +143,16 @@ def test_the_declarations_are_the_rules_resume_and_params_loading_apply():
     assert {k for k, d in declared.items() if d and d.params} == SHAPES_PARAMS
     assert {k for k, d in declared.items() if d and d.resume == "safe"} == RESUME_SAFE
     conditional = {k: d for k, d in declared.items() if d and callable(d.resume)}
-    assert set(conditional) == {"optim.clip_norm"}
+    assert set(conditional) == {"optim.clip_norm", "data.tokenizer"}
     clip = conditional["optim.clip_norm"]
     assert clip.resume_allows(1.0, 0.5) and clip.resume_allows(None, None)
     assert not clip.resume_allows(1.0, None) and not clip.resume_allows(None, 1.0)
+    # A checkpoint saved before paths were resolved at load recorded the path as typed.
+    tok = conditional["data.tokenizer"]
+    assert tok.resume_allows("tok/a.model", os.path.abspath("tok/a.model"))
+    assert tok.resume_allows("~/a.model", os.path.expanduser("~/a.model"))
+    assert tok.resume_allows(None, None) and not tok.resume_allows(None, "/t/a.model")
+    assert not tok.resume_allows("tok/a.model", os.path.abspath("tok/b.model"))
     for name in SHAPES_PARAMS:
         assert not declared[name].resume_allows(1, 2), name
 

@@ -42,6 +42,13 @@ def saved(tmp_path_factory) -> Path:
     return run_dir
 
 
+def test_checkpoint_saves_are_timed_apart_from_the_steps(saved):
+    rows = {r["step"]: r for r in map(json.loads, open(saved / "metrics.jsonl")) if "loss" in r}
+    # Saved at 2 and 4: those rows carry the save's time, which their step time leaves out.
+    assert [s for s, r in rows.items() if "checkpoint_time_s" in r] == [2, 4]
+    assert all(rows[s]["checkpoint_time_s"] > 0 and rows[s]["step_time_s"] > 0 for s in (2, 4))
+
+
 @pytest.fixture
 def run_dir(saved, tmp_path) -> Path:
     dst = tmp_path / "run"
@@ -136,6 +143,37 @@ def test_no_usable_checkpoint_stops_with_one_line_and_exit_2(run_dir):
     # Nothing was started over them or moved.
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["2", "4"]
     assert not (run_dir / "checkpoints.broken").exists()
+
+
+def _delete_all_array_files(d: Path):
+    for f in [p for p in (d / "state").rglob("*") if p.is_file() and "/d/" in str(p)]:
+        f.unlink()
+
+
+ARRAY_DAMAGE = {
+    "array_file_deleted": _delete_array_file,
+    "array_file_truncated": _truncate_array_file,
+    "all_array_files_deleted": _delete_all_array_files,
+}
+
+
+@pytest.mark.parametrize("damage", list(ARRAY_DAMAGE))
+def test_failed_array_restores_leave_only_moetext_lines_on_stderr(run_dir, damage):
+    # Both steps' arrays damaged: two failed orbax restores in one process, then no usable
+    # checkpoint. Orbax's and tensorstore's own reports (absl warnings, 'Event loop is closed'
+    # callback tracebacks) are quieted at their source (checkpoint/orbax_noise.py).
+    for step in ("2", "4"):
+        ARRAY_DAMAGE[damage](run_dir / "checkpoints" / step)
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    cmd = [sys.executable, "-m", "train", str(TINY), *BASE, f"train.run_dir={run_dir}"]
+    out = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = out.stderr.splitlines()
+    assert [x.split(":")[0] for x in lines] == [
+        "checkpoint",  # step 4: unusable checkpoint (...); trying the previous one
+        "checkpoint",  # step 2: the same
+        "checkpoint error",  # no usable checkpoint in ...
+    ], out.stderr
 
 
 @pytest.mark.parametrize(

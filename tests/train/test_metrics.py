@@ -144,6 +144,25 @@ def test_mfu_never_exceeds_one_the_peak_rises_instead():
     assert throughput.mfu(1e6, 2e6, p, 2) == pytest.approx(0.5)  # the raised peak stays
 
 
+def test_checkpoint_and_eval_time_are_taken_out_of_the_step_time(monkeypatch):
+    # A scripted clock (no wall time): 4 steps over 10 s, 3 s of it a save and 1 s an eval.
+    from moetext import config
+
+    clock = iter([0.0, 4.0, 7.0, 8.0, 9.0, 10.0])
+    monkeypatch.setattr(throughput.time, "perf_counter", lambda: next(clock))
+    cfg = config.load("configs/models/tiny-qwen3-moe.yml", ["train.peak_tflops=1"])
+    speed = throughput.Throughput(cfg)  # interval starts at 0
+    for _ in range(4):
+        speed.step()
+    with speed.apart("checkpoint"):  # 4 -> 7
+        pass
+    with speed.apart("eval"):  # 8 -> 9
+        pass
+    f = speed.fields()  # at 10: 10 - 3 - 1 = 6 s of steps
+    assert f["step_time_s"] == 1.5 and f["checkpoint_time_s"] == 3.0 and f["eval_time_s"] == 1.0
+    assert f["tokens_per_s"] == cfg.data.global_batch_size * cfg.data.seq_len / 1.5
+
+
 def test_measure_matmul_flops_runs():
     flops, how = peak_lib.measure_matmul_flops(n=256, reps=3)
     assert flops > 0 and how == "bf16 256^3 matmul, best of 3"

@@ -50,6 +50,8 @@ def test_tiny_config_trains_on_text_below_the_unigram_entropy(tmp_path):
     logged = [r for r in rows if "loss" in r]
     for key in ("step", "loss", "tokens_per_s", "mfu", "grad_norm", "lr", "load_balance_loss"):
         assert key in logged[-1], key
+    # Evaluation (every 100 steps) is timed apart from the steps.
+    assert [r["step"] for r in logged if "eval_time_s" in r] == [100, 200]
     assert (tmp_path / "config.yml").exists()
     assert config.load(tmp_path / "config.yml") == cfg
     # The run is self-contained: its tokenizer was copied in and loads.

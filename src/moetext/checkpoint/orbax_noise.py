@@ -12,6 +12,7 @@ import functools
 import logging
 import re
 import sys
+import threading
 from typing import Any
 
 
@@ -46,6 +47,17 @@ def _closed_loop_callback(exc: BaseException) -> bool:
     )
 
 
+# Orbax's warnings about an item it cannot read the metadata of, logged while it restores a
+# damaged step (its array files deleted): the restore then fails and moetext reports the step
+# (with the reason) in its own line; a step that restores is whole whatever orbax thought.
+_DAMAGED_ITEM_WARNINGS = frozenset(
+    {
+        "Failed to get item metadata from directory %s. Either it was not present in the "
+        "checkpoint, or the handler does not support it.",
+    }
+)
+
+
 class _OrbaxFailureNoise(logging.Filter):
     """A failed save or restore surfaces as one CheckpointWriteError / broken-step line; orbax
     also logs each failing background thread's traceback (absl), asyncio logs the futures it
@@ -53,6 +65,8 @@ class _OrbaxFailureNoise(logging.Filter):
     drops those records (only records carrying such an exception), keeping the one line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg in _DAMAGED_ITEM_WARNINGS:
+            return False
         exc = record.exc_info[1] if record.exc_info else None
         if exc is None and record.name == "asyncio" and isinstance(record.args, dict):
             exc = record.args.get("exception")
@@ -64,8 +78,8 @@ class _OrbaxFailureNoise(logging.Filter):
 
 @functools.cache  # once per process
 def quiet_orbax_failures() -> None:
-    """Installs _OrbaxFailureNoise and an excepthook that drops tensorstore's stray 'Event loop
-    is closed' reports."""
+    """Installs _OrbaxFailureNoise, and excepthooks (the interpreter's, threads' and
+    unraisable exceptions') that drop tensorstore's stray 'Event loop is closed' reports."""
     noise = _OrbaxFailureNoise()
     for name in ("absl", "asyncio"):
         logging.getLogger(name).addFilter(noise)
@@ -79,6 +93,14 @@ def quiet_orbax_failures() -> None:
         previous(tp, value, tb)
 
     sys.excepthook = excepthook
+    previous_thread_hook = threading.excepthook
+
+    def thread_excepthook(args: threading.ExceptHookArgs) -> None:
+        if args.exc_value is not None and _closed_loop_callback(args.exc_value):
+            return
+        previous_thread_hook(args)
+
+    threading.excepthook = thread_excepthook
     previous_unraisable = sys.unraisablehook
 
     def unraisablehook(u: Any) -> None:

@@ -22,7 +22,11 @@ from moetext.checkpoint.params import MODEL_STATE, PARAMS
 from moetext.config import Config, to_dict
 
 # Bytes in flight while writing: at most WRITE_SLOTS boxes of WRITE_BOX_BYTES (whole chunks).
-WRITE_BOX_BYTES = 32 * 2**20
+# Each box in flight holds its encoded copy in anonymous memory until its file is written, so
+# the product is the part of the peak that grows when the disk or the CPU falls behind (all
+# slots full): 4 x 32 MiB allowed 128 MiB (one test run reached 103 MB of growth); 4 x 8 MiB
+# (one chunk per box) caps it at 32 MiB (docs/convert.md, "Memory and disk").
+WRITE_BOX_BYTES = 8 * 2**20
 WRITE_SLOTS = 4
 # Chunks of at most this many bytes: tensorstore encodes and writes a chunk at a time.
 SAVE_ARGS = ocp.SaveArgs(chunk_byte_size=8 * 2**20)

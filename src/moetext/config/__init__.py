@@ -16,7 +16,7 @@ from moetext.config.schema import (
     ShardingConfig,
     TrainConfig,
 )
-from moetext.config.validate import validate, validate_for_devices
+from moetext.config.validate import validate, validate_for_devices, validate_paths
 from moetext.errors import ConfigError
 
 __all__ = [
@@ -37,4 +37,5 @@ __all__ = [
     "to_dict",
     "validate",
     "validate_for_devices",
+    "validate_paths",
 ]

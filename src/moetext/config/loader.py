@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import yaml
 
+from moetext import paths
 from moetext.config import families
 from moetext.config.schema import Config, ModelConfig
 from moetext.config.shipped import SHIPPED_CONFIGS
@@ -37,9 +38,41 @@ def load(path: str | os.PathLike[str], overrides: typing.Sequence[str] = ()) -> 
     for item in overrides:
         key, value = _split_override(item)
         _set_dotted(raw, key, value)
-    cfg = from_dict(raw)
+    cfg = resolve_paths(from_dict(raw))
     validate(cfg)
     return cfg
+
+
+# Config keys holding a path: `load` makes them absolute (moetext.paths.resolve: `~` expanded,
+# relative to the working directory, URIs kept), so a run records where its files really are
+# and every reader (orbax, TFDS, sentencepiece) gets the same absolute path.
+PATH_KEYS = (
+    "train.run_dir",
+    "data.data_dir",
+    "data.tokenizer",
+    "checkpoint.load_params_from",
+    "sharding.preset",
+)
+
+
+def resolve_paths(cfg: Config) -> Config:
+    """`cfg` with the values of PATH_KEYS resolved; sharding.preset only when it names a file
+    (a path with a directory part or a .yml/.yaml name), not a shipped preset."""
+    sections: dict[str, Any] = {}
+    for key in PATH_KEYS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value is None or (key == "sharding.preset" and not _names_file(value)):
+            continue
+        resolved = paths.resolve(value)
+        if resolved != value:
+            current = sections.get(section, getattr(cfg, section))
+            sections[section] = dataclasses.replace(current, **{name: resolved})
+    return cfg.replace(**sections) if sections else cfg
+
+
+def _names_file(preset: str) -> bool:
+    return os.sep in preset or "~" in preset or preset.endswith((".yml", ".yaml"))
 
 
 def from_dict(raw: dict[str, Any]) -> Config:
@@ -77,7 +110,7 @@ def save(cfg: Config, path: str | os.PathLike[str]) -> None:
 def _locate(path: str | os.PathLike[str]) -> Path:
     """`path` itself, or the shipped config it names when it is a relative `configs/...` path
     that does not exist relative to the working directory."""
-    given = Path(path)
+    given = Path(os.path.expanduser(path))  # `~`: also where the shell did not expand it
     if given.exists() or not _names_shipped(given):
         return given
     shipped = SHIPPED_CONFIGS.joinpath(*given.parts[1:])

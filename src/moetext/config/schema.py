@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from moetext import paths
 from moetext.config import families
 from moetext.config.fields import must_match, resume_safe, resume_safe_if, shapes_params
 from moetext.errors import ConfigError
@@ -25,6 +26,14 @@ def _clipping_stays_on_or_off(old: float | None, new: float | None) -> bool:
     """A clipping threshold is a hyperparameter; turning clipping on or off adds or removes a
     stage (and its state) in the optimizer chain."""
     return (old is None) == (new is None)
+
+
+def _same_tokenizer_path(old: str | None, new: str | None) -> bool:
+    """The same file: checkpoints saved before paths were resolved at load time recorded the
+    path as typed (relative, `~`); resolved here, it is the path this run resolved."""
+    if old is None or new is None:
+        return old is new
+    return paths.resolve(old) == paths.resolve(new)
 
 
 @dataclass(frozen=True)
@@ -249,9 +258,9 @@ class DataConfig:
     data_dir: str | None = resume_safe(None)
     """tfds and chat: where prepared datasets live; None: $MOETEXT_DATA_DIR or
     ~/.cache/moetext/data."""
-    tokenizer: str | None = must_match(None)
+    tokenizer: str | None = resume_safe_if(None, when=_same_tokenizer_path)
     """tfds and chat: a sentencepiece .model or a Hugging Face tokenizer.json (or its directory);
-    None uses the tokenizer saved beside the dataset."""
+    None uses the tokenizer saved beside the dataset. A resumed run keeps the same file."""
     train_split: str = must_match("train")
     """tfds and chat: split to train on."""
     eval_split: str = resume_safe("eval")

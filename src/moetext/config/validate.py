@@ -1,11 +1,13 @@
 """Checks that span config sections (each section checks its own fields in `__post_init__`).
 
 `validate(cfg)` runs on every load; `validate_for_devices(cfg, n)` once the device count is
-known. Every failure is a ConfigError naming the fields and their values.
+known; `validate_paths(cfg)` when a training run starts, before anything is written. Every
+failure is a ConfigError naming the fields and their values.
 """
 
 from __future__ import annotations
 
+from moetext import paths
 from moetext.config import presets
 from moetext.config.schema import Config
 from moetext.errors import ConfigError
@@ -49,3 +51,25 @@ def validate_for_devices(cfg: Config, num_devices: int) -> None:
             f"a global batch that is a multiple of {n * num_devices}"
         )
     presets.axis_sizes(presets.resolve(cfg.sharding), num_devices)  # product == devices
+
+
+def validate_paths(cfg: Config) -> None:
+    """The paths a training run reads exist and the run dir can be written (PathError naming
+    the key and the path); run by `python -m train` before anything is created. The values
+    are absolute already (`load` resolved them)."""
+    paths.writable_dir(cfg.train.run_dir, "train.run_dir")
+    d = cfg.data
+    if d.kind == "tfds":
+        if d.data_dir is not None and d.name == "python_docs":  # prepared there on first use
+            paths.writable_dir(d.data_dir, "data.data_dir")
+        elif d.data_dir is not None:
+            paths.existing_dir(d.data_dir, "data.data_dir")
+        if d.tokenizer is not None:
+            paths.existing(d.tokenizer, "data.tokenizer")
+    source = cfg.checkpoint.load_params_from
+    # Ignored once the run has checkpoints (it resumes): only a new run reads it.
+    if (
+        source is not None
+        and not paths.as_epath(cfg.train.run_dir).joinpath("checkpoints").exists()
+    ):
+        paths.existing_dir(source, "checkpoint.load_params_from")

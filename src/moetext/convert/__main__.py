@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import moetext  # noqa: F401  (quiets libtpu's TPU probing before jax starts)
+from moetext import paths
 from moetext.errors import ConfigError
 
 
@@ -34,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     # in a state/ item) as absl warnings; this command's own errors are one `error:` line.
     logging.getLogger("absl").setLevel(logging.ERROR)
     try:
+        _resolve_paths(args)
         if args.command == "hf-to-orbax":
             from moetext.checkpoint.bounded_save import return_large_frees_to_os
             from moetext.convert.hf_to_orbax import emit_config, hf_to_orbax
@@ -67,6 +70,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _resolve_paths(args: argparse.Namespace) -> None:
+    """Every path flag made absolute and checked before anything is written (PathError, one
+    line naming the flag); --config stays as given (config.load finds shipped configs)."""
+    if args.command == "hf-to-orbax":
+        args.hf = os.fspath(paths.existing_dir(args.hf, "--hf"))
+    else:
+        args.checkpoint = os.fspath(paths.existing_dir(args.checkpoint, "--checkpoint"))
+    args.out = os.fspath(paths.new_dir(args.out, "--out", overwrite=args.overwrite))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from moetext import paths
 from moetext.data import chat_source, sources, tfds_text
 from moetext.data.chat_template import CHATML_TOKENS
 from moetext.data.sources import SourceFile, TxtMode
@@ -416,6 +417,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true")
     a = p.parse_args(argv)
     try:
+        # Absolute at the boundary (~ expanded: the shell does not in --flag=~/x); --input
+        # globs are sources.resolve_inputs'.
+        a.data_dir = os.fspath(paths.writable_dir(a.data_dir, "--data_dir"))
+        if a.tokenizer is not None:
+            a.tokenizer = os.fspath(paths.existing(a.tokenizer, "--tokenizer"))
         prepare(
             a.input, a.name, a.data_dir, text_key=a.text_key, txt_mode=a.txt_mode,
             eval_fraction=a.eval_fraction, vocab_size=a.vocab_size, model_type=a.model_type,

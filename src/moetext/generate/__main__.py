@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from typing import Any
 
 import moetext  # noqa: F401  (quiets libtpu's TPU probing where there is no TPU)
+from moetext import paths
 from moetext.errors import ConfigError
 
 
@@ -49,11 +51,16 @@ def main(argv: list[str] | None = None) -> int:
     # in a state/ item) as absl warnings; this command's own errors are one `error:` line.
     logging.getLogger("absl").setLevel(logging.ERROR)
     try:
+        # Paths absolute at the boundary (orbax needs them so); a bad one is one line. The
+        # config is config.load's: a relative configs/... path may name a shipped config.
+        checkpoint = os.fspath(paths.existing_dir(args.checkpoint, "--checkpoint"))
+        tokenizer = args.tokenizer and os.fspath(paths.existing(args.tokenizer, "--tokenizer"))
+
         from moetext.generate import Sampling, batch_shards, load
         from moetext.program import make_plan
 
         t0 = time.perf_counter()
-        cfg, model, tok = load(args.config, args.checkpoint, args.overrides, args.tokenizer)
+        cfg, model, tok = load(args.config, checkpoint, args.overrides, tokenizer)
         print(f"loaded {args.checkpoint} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         plan = make_plan(cfg)
         run = dict(
@@ -91,12 +98,10 @@ def _complete(args: argparse.Namespace, model: Any, tok: Any, run: dict[str, Any
 
 
 def _chat(args: argparse.Namespace, cfg: Any, model: Any, tok: Any, run: dict[str, Any]) -> int:
-    import os
-
     from moetext.generate import chat
 
     template = chat.template_for(tok, cfg.data.chat_template)
-    ckpt = os.path.abspath(args.checkpoint)
+    ckpt = os.fspath(paths.existing_dir(args.checkpoint, "--checkpoint"))
     dirs = [ckpt, os.path.dirname(os.path.abspath(tok.path))]
     stop = chat.stop_ids(template, tok, *dirs)
     if args.chat == ["-"]:

@@ -170,14 +170,18 @@ def _train(p: _Parts, start: int) -> dict[str, Any]:
         done = step + 1
         p.guard.record(done, m)
         stop = p.preempt.should_stop(done)  # every process agrees on the step
+        if p.ckpt and (done % cfg.checkpoint.every == 0 or done == steps or stop):
+            # Before the log, so that the row of a saving step carries checkpoint_time_s; the
+            # wait for the step itself stays in the steps' time (jax: unannotated).
+            jax.block_until_ready(p.state)  # type: ignore[no-untyped-call]
+            with p.speed.apart("checkpoint"):
+                p.guard.check_before_save(done, p.state)
+                meta = {"step": done, "config": p.cfg_dict}
+                p.ckpt.save(done, p.state, meta, data_state, force=stop)
         if done % cfg.train.log_every == 0 or done == steps or stop:
             last = _log(p, done, m, step_hash)
         elif step_hash is not None:  # every step's batch, logged or not
             p.log.write({"step": done, "batch_hash": step_hash})
-        if p.ckpt and (done % cfg.checkpoint.every == 0 or done == steps or stop):
-            p.guard.check_before_save(done, p.state)
-            meta = {"step": done, "config": p.cfg_dict}
-            p.ckpt.save(done, p.state, meta, data_state, force=stop)
         if stop:
             last["preempted"] = True
             p.preempt.finish(done, p.ckpt, p.log)
@@ -188,11 +192,13 @@ def _train(p: _Parts, start: int) -> dict[str, Any]:
 def _log(p: _Parts, done: int, m: dict[str, jax.Array], batch_hash: str | None) -> dict[str, Any]:
     """Writes step `done`'s metrics row (with evaluation when it is due); returns it."""
     m = jax.device_get(m)  # waits for the step: the interval below is real time
-    last = {"step": done, **metrics_lib.to_host(m), **p.speed.fields()}
+    evaluation = {}
+    if p.evaluator.due(done):
+        with p.speed.apart("eval"):
+            evaluation = p.evaluator(p.state)
+    last = {"step": done, **metrics_lib.to_host(m), **p.speed.fields(), **evaluation}
     if batch_hash is not None:
         last["batch_hash"] = batch_hash
-    if p.evaluator.due(done):
-        last.update(p.evaluator(p.state))
     p.log.write(last)
     p.guard.check()
     p.speed.restart()

@@ -3,12 +3,17 @@ utilisation against the device's peak (train/peak.py).
 
 The loop waits for the device only when it logs, so a step time is the wall time since the
 last log (or since compilation finished) over the steps taken in between: real device time,
-measured without a host sync per step.
+measured without a host sync per step. What the loop does between steps that is not training
+(a checkpoint save, an evaluation) runs inside `apart(name)`: its wall time is taken out of the
+interval and logged on its own as `<name>_time_s`, so step_time_s, tokens_per_s and mfu
+measure training steps only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import jax
 
@@ -36,18 +41,33 @@ class Throughput:
     def restart(self) -> None:
         """Starts a new interval now (after compiling, after each log)."""
         self._t_last, self._steps = time.perf_counter(), 0
+        self._apart: dict[str, float] = {}
 
     def step(self) -> None:
         """One more step dispatched in this interval."""
         self._steps += 1
 
+    @contextlib.contextmanager
+    def apart(self, name: str) -> Iterator[None]:
+        """Times the block as `<name>_time_s`, outside the steps' time. The caller waits for
+        the steps dispatched before it first (their time is the steps')."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"{name}_time_s"
+            self._apart[key] = self._apart.get(key, 0.0) + time.perf_counter() - t0
+
     def fields(self) -> dict[str, float]:
-        """The interval's mean step time, tokens/s and MFU; call it after waiting for the
-        interval's last step (jax.device_get of its metrics), so the time is real."""
-        dt = (time.perf_counter() - self._t_last) / self._steps
+        """The interval's mean step time, tokens/s and MFU, and the time of each `apart` block
+        in it; call it after waiting for the interval's last step (jax.device_get of its
+        metrics), so the time is real."""
+        apart = sum(self._apart.values())
+        dt = (time.perf_counter() - self._t_last - apart) / self._steps
         tps = self.tokens_per_step / dt
         return {
             "step_time_s": dt,
             "tokens_per_s": tps,
             "mfu": mfu(self.flops_per_token, tps, self.peak, jax.device_count()),
+            **self._apart,
         }
