@@ -148,3 +148,115 @@ def test_bias_update_rule_and_initial_bias():
     still = _router(router="sigmoid_topk", initial_bias=init)
     still.update_state({"expert_counts": jnp.asarray(counts)})
     np.testing.assert_array_equal(np.asarray(still.selection_bias[...]), np.float32(init))
+
+
+# The tiny config's real train step (2 MoE layers of 8 experts), synthetic data, one device.
+STEP = [
+    "data.kind=synthetic",
+    "checkpoint.enabled=false",
+    "train.progress_bar=false",
+    "train.grad_accum_steps=2",
+]
+INIT = [0.3, -0.1, 0.0, 0.2, -0.3, 0.1, 0.0, -0.2]
+
+
+def _built(*overrides):
+    cfg = config.load(TINY, [*STEP, *overrides])
+    return cfg, program.build(cfg, jax.devices()[:1])
+
+
+def _padded_batch(cfg) -> dict[str, np.ndarray]:
+    """A data batch whose first three rows end in 9 padding positions (segment 0)."""
+    data = data_lib.build(cfg.data, cfg.model.vocab_size)
+    batch = {k: np.array(v) for k, v in data.next_batch().items()}
+    data.close()
+    for key in ("segment_ids", "tokens", "positions"):
+        batch[key][:3, -9:] = 0
+    return batch
+
+
+def _leaves(tree, name) -> list[np.ndarray]:
+    """The arrays at paths naming `name`, in path order."""
+    found = jax.tree_util.tree_leaves_with_path(jax.device_get(tree))
+    return [np.asarray(v) for p, v in found if name in jax.tree_util.keystr(p)]
+
+
+@pytest.mark.parametrize("scan", ["false", "true"])
+def test_selection_bias_steps_by_the_global_batch_counts_as_model_state(scan):
+    rate = 0.01
+    cfg, b = _built(
+        "moe.router=sigmoid_topk",
+        f"moe.bias_update_rate={rate}",
+        f"moe.initial_bias={INIT}",
+        "optim.weight_decay=0.5",  # would move the bias if the optimizer held it
+        f"model.scan_layers={scan}",
+    )
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(b.state)]
+    assert {p.split("[")[0] for p in paths if "selection_bias" in p} == {".model_state"}
+    batch = _padded_batch(cfg)
+    # The oracle's counts: every layer's ids over the whole batch (both micro-batches), counted
+    # over the non-padding input positions in NumPy.
+    with b.plan.rules(), capture_expert_ids():
+        model = nnx.merge(b.graphdef, b.state.params, b.state.model_state, b.rest)
+        _, aux = model(
+            jnp.asarray(batch["tokens"][:, :-1]),
+            positions_BS=jnp.asarray(batch["positions"][:, :-1]),
+            segment_ids_BS=jnp.asarray(batch["segment_ids"][:, :-1]),
+        )
+    valid = batch["segment_ids"][:, :-1].reshape(-1) > 0
+    assert not valid.all()
+    ids_NTK = np.asarray(aux[IDS_KEY])
+    step = program.jit_train_step(b)
+    bias = np.float32(INIT)
+    state = b.state
+    for _ in range(2):
+        counts = np.stack([np_ref.counts(ids, valid, E) for ids in ids_NTK])
+        want = bias + np.float32(rate) * np.sign(counts.mean(-1, keepdims=True) - counts).astype(
+            np.float32
+        )
+        with b.plan.rules():
+            state, _ = step(state, program.put_batch(batch, b.batch_sharding))
+        got = np.concatenate([np.atleast_2d(v) for v in _leaves(state.model_state, "selection")])
+        np.testing.assert_array_equal(got, want)
+        bias = want
+        # The next step routes with the moved bias: its oracle ids come from the model again.
+        with b.plan.rules(), capture_expert_ids():
+            model = nnx.merge(b.graphdef, state.params, state.model_state, b.rest)
+            _, aux = model(
+                jnp.asarray(batch["tokens"][:, :-1]),
+                positions_BS=jnp.asarray(batch["positions"][:, :-1]),
+                segment_ids_BS=jnp.asarray(batch["segment_ids"][:, :-1]),
+            )
+        ids_NTK = np.asarray(aux[IDS_KEY])
+    assert not _leaves(state.opt_state, "selection") and not _leaves(state.params, "selection")
+
+
+def test_global_batch_loss_reads_the_earlier_micro_batches_loads():
+    from moetext.program.step import accumulated_value_and_grad
+
+    cfg, b = _built("moe.aux_loss_scope=global_batch")
+    _, b_micro = _built("moe.aux_loss_scope=micro_batch")
+    batch = {k: jnp.asarray(v) for k, v in _padded_batch(cfg).items()}
+    loss_fn = jax.jit(make_loss_fn(b.graphdef, b.rest))
+    params, ms = b.state.params, b.state.model_state
+    with b.plan.rules():
+        # The unsplit step (grad_accum_steps=1): the micro_batch scope's loss.
+        whole = loss_fn(params, batch, ms)[1][1]["load_balance_loss"]
+        micro = make_loss_fn(b_micro.graphdef, b_micro.rest)(params, batch)[1][1]
+        np.testing.assert_allclose(whole, micro["load_balance_loss"], rtol=1e-6)
+        # Micro-batch 1 (rows 1, 3, ...) sees micro-batch 0's counts in the buffer.
+        mb = [{k: v[i::2] for k, v in batch.items()} for i in range(2)]
+        aux0 = loss_fn(params, mb[0], ms)[1][1]
+        ms1 = make_accumulate(b.graphdef, b.rest)(params, ms, aux0)
+        prior = _leaves(ms1, "load_prior")
+        np.testing.assert_array_equal(np.stack(prior).reshape(-1, E), aux0["expert_counts"])
+        aux1 = loss_fn(params, mb[1], ms1)[1][1]
+        alone = loss_fn(params, mb[1], ms)[1][1]
+        assert abs(float(aux1["load_balance_loss"]) - float(alone["load_balance_loss"])) > 1e-4
+        accumulate = make_accumulate(b.graphdef, b.rest)
+        acc = jax.jit(
+            accumulated_value_and_grad(make_loss_fn(b.graphdef, b.rest), 2, accumulate=accumulate)
+        )
+        (_, (_, aux, _, _)), _ = acc(params, batch, ms)
+    want = (aux0["load_balance_loss"] + aux1["load_balance_loss"]) / 2
+    np.testing.assert_allclose(aux["load_balance_loss"], want, rtol=1e-6)
