@@ -17,7 +17,7 @@ import np_ref
 import numpy as np
 import pytest
 from flax import nnx
-from tiny_configs import tiny_moe
+from tiny_configs import KERNELS, tiny_moe
 
 from moetext import config, program
 from moetext import data as data_lib
@@ -28,7 +28,6 @@ from moetext.errors import ConfigError
 from moetext.models.moe import MoEBlock, build_router, gmm_from_config
 from moetext.models.moe.block import IDS_KEY, capture_expert_ids
 from moetext.program.step import make_accumulate, make_loss_fn
-from tiny_configs import KERNELS
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 REPO = Path(__file__).resolve().parents[2]
@@ -260,3 +259,79 @@ def test_global_batch_loss_reads_the_earlier_micro_batches_loads():
         (_, (_, aux, _, _)), _ = acc(params, batch, ms)
     want = (aux0["load_balance_loss"] + aux1["load_balance_loss"]) / 2
     np.testing.assert_allclose(aux["load_balance_loss"], want, rtol=1e-6)
+
+
+def _block(**moe):
+    cfg = tiny_moe(num_experts=E, num_experts_per_tok=K, **moe)
+    dims = dict(emb_dim=D, init_std=0.3, param_dtype=jnp.float32)
+    rngs = nnx.Rngs(params=0)
+    router = build_router(cfg, **dims, rngs=rngs)
+    return MoEBlock(
+        cfg, gmm_from_config(KERNELS), router=router, dtype=jnp.float32, **dims, rngs=rngs
+    )
+
+
+def test_balanced_override_sends_token_t_to_t_k_plus_j_with_equal_weights():
+    blk = _block(routing_override="balanced")
+    routing = blk._route(_x(), None)
+    t = np.arange(B * S)[:, None]
+    np.testing.assert_array_equal(np.asarray(routing.ids_TK), (t * K + np.arange(K)) % E)
+    np.testing.assert_array_equal(np.asarray(routing.weights_TK), np.full((B * S, K), 1 / K))
+
+
+def test_random_override_draws_k_distinct_experts_from_a_key_each_step_advances():
+    blk = _block(routing_override="random")
+    assert "override_key" in nnx.to_pure_dict(nnx.state(blk, nnx.Variable))
+    x = _x()
+    first = np.asarray(blk._route(x, None).ids_TK)
+    assert all(len(set(row)) == K for row in first.tolist()) and first.max() < E
+    np.testing.assert_array_equal(np.asarray(blk._route(x, None).ids_TK), first)  # same key
+    key0 = np.asarray(blk.override_key[...])
+    blk.update_state({"expert_counts": jnp.zeros(E)})
+    second = np.asarray(blk._route(x, None).ids_TK)
+    assert (second != first).any()
+    # The key is ModelState (checkpointed with the train state): the next step's key is a
+    # function of it alone, so a restored key continues the same draws.
+    want = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(key0), 1))
+    np.testing.assert_array_equal(np.asarray(blk.override_key[...]), np.asarray(want))
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("moe.aux_loss_scope=global", r"micro_batch.*sequence.*global_batch"),
+        ("moe.routing_override=even", r"none.*balanced.*random"),
+        ("moe.n_group=3", r"moe.n_group=3 must divide moe.num_experts=8"),
+        ("moe.n_group=8", r"moe.n_group=8 .* at least 2"),
+        ("moe.bias_update_rate=-0.1", r"moe.bias_update_rate must be >= 0"),
+        ("moe.initial_bias=[0.1,0.2]", r"moe.initial_bias has 2 values for moe.num_experts=8"),
+    ],
+)
+def test_bad_routing_fields_are_one_config_error_naming_them(override, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        config.load(TINY, [override])
+    assert "\n" not in str(err.value)
+
+
+def test_too_few_eligible_experts_is_a_config_error():
+    # 1 group of 2 experts eligible for 4 experts per token.
+    over = ["moe.n_group=4", "moe.topk_group=1", "moe.num_experts_per_tok=4"]
+    with pytest.raises(ConfigError, match=r"moe.topk_group=1 .* moe.num_experts_per_tok=4"):
+        config.load(TINY, over)
+
+
+def test_resume_refuses_a_new_router_layout_or_scope_and_allows_rates_and_weights():
+    saved = to_dict(config.load(TINY, ["moe.router=sigmoid_topk"]))
+    for change in ("moe.router=softmax_topk", "moe.n_group=2", "moe.aux_loss_scope=sequence"):
+        field = change.split("=")[0]
+        cfg = config.load(TINY, ["moe.router=sigmoid_topk", change])
+        with pytest.raises(CheckpointError, match=field):
+            check_config(saved, cfg, "c")
+    cfg = config.load(
+        TINY, ["moe.router=sigmoid_topk", "moe.bias_update_rate=0.01", "moe.aux_loss_weight=0.1"]
+    )
+    allowed = check_config(saved, cfg, "c")
+    assert [line.split(":")[0] for line in allowed] == [
+        "moe.aux_loss_weight",
+        "moe.bias_update_rate",
+    ]
