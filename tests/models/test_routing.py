@@ -193,40 +193,34 @@ def test_selection_bias_steps_by_the_global_batch_counts_as_model_state(scan):
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(b.state)]
     assert {p.split("[")[0] for p in paths if "selection_bias" in p} == {".model_state"}
     batch = _padded_batch(cfg)
-    # The oracle's counts: every layer's ids over the whole batch (both micro-batches), counted
-    # over the non-padding input positions in NumPy.
-    with b.plan.rules(), capture_expert_ids():
-        model = nnx.merge(b.graphdef, b.state.params, b.state.model_state, b.rest)
+    valid = batch["segment_ids"][:, :-1].reshape(-1) > 0
+    assert not valid.all()
+
+    @jax.jit
+    def expert_ids(params, model_state):
+        """Every MoE layer's chosen experts over the whole batch (both micro-batches)."""
+        model = nnx.merge(b.graphdef, params, model_state, b.rest)
         _, aux = model(
             jnp.asarray(batch["tokens"][:, :-1]),
             positions_BS=jnp.asarray(batch["positions"][:, :-1]),
             segment_ids_BS=jnp.asarray(batch["segment_ids"][:, :-1]),
         )
-    valid = batch["segment_ids"][:, :-1].reshape(-1) > 0
-    assert not valid.all()
-    ids_NTK = np.asarray(aux[IDS_KEY])
+        return aux[IDS_KEY]
+
     step = program.jit_train_step(b)
-    bias = np.float32(INIT)
-    state = b.state
-    for _ in range(2):
+    state, bias = b.state, np.float32(INIT)
+    for _ in range(2):  # the second step routes with the bias the first one moved
+        with b.plan.rules(), capture_expert_ids():
+            ids_NTK = np.asarray(expert_ids(state.params, state.model_state))
+        # The oracle: counts over the non-padding positions of the global batch, in NumPy.
         counts = np.stack([np_ref.counts(ids, valid, E) for ids in ids_NTK])
-        want = bias + np.float32(rate) * np.sign(counts.mean(-1, keepdims=True) - counts).astype(
-            np.float32
-        )
+        sign = np.sign(counts.mean(-1, keepdims=True) - counts).astype(np.float32)
+        want = bias + np.float32(rate) * sign
         with b.plan.rules():
             state, _ = step(state, program.put_batch(batch, b.batch_sharding))
         got = np.concatenate([np.atleast_2d(v) for v in _leaves(state.model_state, "selection")])
         np.testing.assert_array_equal(got, want)
         bias = want
-        # The next step routes with the moved bias: its oracle ids come from the model again.
-        with b.plan.rules(), capture_expert_ids():
-            model = nnx.merge(b.graphdef, state.params, state.model_state, b.rest)
-            _, aux = model(
-                jnp.asarray(batch["tokens"][:, :-1]),
-                positions_BS=jnp.asarray(batch["positions"][:, :-1]),
-                segment_ids_BS=jnp.asarray(batch["segment_ids"][:, :-1]),
-            )
-        ids_NTK = np.asarray(aux[IDS_KEY])
     assert not _leaves(state.opt_state, "selection") and not _leaves(state.params, "selection")
 
 
