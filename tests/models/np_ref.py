@@ -107,3 +107,96 @@ def capacity_keep(ids_TK, num_experts, cap):
             keep[i, j] = fill[e] < cap
             fill[e] += 1
     return keep
+
+
+def _top_ids(x_TE, k):
+    """Each row's k largest, ties to the lowest index (torch.topk on CPU, DeepSeek's gate)."""
+    return np.argsort(-x_TE, axis=-1, kind="stable")[:, :k]
+
+
+def group_limited(choice_TE, k, n_group, topk_group, group_score):
+    """ids_TK: top-k of choice among each token's topk_group best of n_group groups (group score
+    "max": DeepSeek-V2; "top2_sum": DeepSeek-V3), the other groups' experts masked to -inf."""
+    choice = f64(choice_TE).copy()
+    t, e = choice.shape
+    if n_group > 1:
+        g_TGN = choice.reshape(t, n_group, e // n_group)
+        if group_score == "max":
+            score_TG = g_TGN.max(-1)
+        else:
+            score_TG = np.sort(g_TGN, axis=-1)[..., -2:].sum(-1)
+        keep_TG = np.zeros((t, n_group), bool)
+        np.put_along_axis(keep_TG, _top_ids(score_TG, topk_group), True, axis=-1)
+        choice = np.where(np.repeat(keep_TG, e // n_group, axis=1), choice, -np.inf)
+    return _top_ids(choice, k)
+
+
+def sigmoid_gate(logits_TE, bias_E, k, n_group, topk_group, norm_topk_prob, scale):
+    """DeepSeek-V3's gate (transformers' DeepseekV3TopkRouter + get_topk_indices): sigmoid
+    scores; bias added for the choice only; weights the unbiased scores, renormalised with
+    +1e-20, times routed_scaling_factor. -> (weights_TK, ids_TK, scores_TE)."""
+    scores = 1.0 / (1.0 + np.exp(-f64(logits_TE)))
+    ids = group_limited(scores + f64(bias_E)[None], k, n_group, topk_group, "top2_sum")
+    w = np.take_along_axis(scores, ids, axis=-1)
+    if norm_topk_prob:
+        w = w / (w.sum(-1, keepdims=True) + 1e-20)
+    return w * scale, ids, scores
+
+
+def softmax_group_gate(logits_TE, k, n_group, topk_group, norm_topk_prob):
+    """DeepSeek-V2's group_limited_greedy over softmax probabilities (group score = max)."""
+    probs = softmax(logits_TE)
+    ids = group_limited(probs, k, n_group, topk_group, "max")
+    w = np.take_along_axis(probs, ids, axis=-1)
+    if norm_topk_prob:
+        w = w / w.sum(-1, keepdims=True)
+    return w, ids, probs
+
+
+def counts(ids_TK, valid_T, e):
+    """Assignments per expert of the valid tokens."""
+    c = np.zeros(e)
+    for t, row in enumerate(np.asarray(ids_TK)):
+        if valid_T[t]:
+            for i in row:
+                c[i] += 1
+    return c
+
+
+def switch_balance(probs_TE, ids_TK, valid_T, prior_E=None):
+    """E * sum_e f_e * P_e over the valid tokens; f from counts (+ prior), normalised."""
+    p, v = f64(probs_TE), f64(valid_T)
+    e = p.shape[1]
+    c = counts(ids_TK, v, e) + (0.0 if prior_E is None else f64(prior_E))
+    return e * float(np.sum(c / c.sum() * (p * v[:, None]).sum(0) / v.sum()))
+
+
+def sequence_balance(probs_TE, ids_TK, segment_ids_BS, k):
+    """DeepSeek-V3 eqs. 17-20 per packed document: f_i = E/(K*T_s) * count_i, P_i = mean over
+    the document's tokens of the normalised affinity; L = sum_i f_i P_i, averaged over
+    documents (segment 0 = padding, skipped)."""
+    p, seg = f64(probs_TE), np.asarray(segment_ids_BS)
+    b, s = seg.shape
+    e = p.shape[1]
+    p_BSE, ids_BSK = p.reshape(b, s, e), np.asarray(ids_TK).reshape(b, s, k)
+    losses = []
+    for r in range(b):
+        for d in sorted(set(seg[r].tolist()) - {0}):
+            at = seg[r] == d
+            t_s = at.sum()
+            c = np.array([(ids_BSK[r][at] == i).sum() for i in range(e)], np.float64)
+            losses.append(float(np.sum(e / (k * t_s) * c * p_BSE[r][at].mean(0))))
+    return float(np.mean(losses))
+
+
+def masked_z_loss(logits_TE, valid_T):
+    z = f64(logits_TE)
+    lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
+    v = f64(valid_T)
+    return float(np.sum(lse**2 * v) / v.sum())
+
+
+def bias_update(bias_E, counts_E, rate):
+    """DeepSeek-V3's auxiliary-loss-free update: b += rate * sign(mean load - load)."""
+    c = f64(counts_E)
+    return f64(bias_E) + rate * np.sign(c.mean() - c)

@@ -79,6 +79,11 @@ def run(cfg: Config) -> dict[str, Any]:
         moe_pattern=moe_pattern,
     )
     log.info(speed.peak.describe())
+    if cfg.moe.routing_override != "none":  # a benchmark's numbers hold for forced routing only
+        log.info(
+            f"moe.routing_override={cfg.moe.routing_override}: the router's choice is replaced "
+            f"(balanced or random experts, weights 1/K); step times measure that routing"
+        )
     last_ckpt = ckpt.latest_path if ckpt else lambda: None
     parts = _Parts(
         b,
