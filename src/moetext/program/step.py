@@ -214,7 +214,8 @@ def accumulated_value_and_grad(
     with more padding weigh less, as their targets do in the unsplit mean) plus the MoE aux
     losses averaged over micro-batches (each is a per-micro-batch statistic, as in MaxText; not
     equal to the whole batch's). ce and nll_sum/count are the whole batch's; the model's aux
-    outputs (moe_loss, expert_load, ...) are the mean over micro-batches. Gradients accumulate
+    outputs (moe_loss, expert_load, ...) are the mean over micro-batches, but counts (keys
+    ending in _counts: expert_counts) their sum, the whole batch's. Gradients accumulate
     in float32 (or wider params' dtype) and come back in the params' dtype.
 
     accumulate (`make_accumulate`): the model state each micro-batch sees is the one the
@@ -256,7 +257,12 @@ def accumulated_value_and_grad(
         zeros = pin(jax.tree.map(lambda p: jnp.zeros(p.shape, _acc_dtype(p)), params))
         (acc, _), (auxs, nll_sums) = jax.lax.scan(body, (zeros, model_state), micro)
         grads = jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
-        aux = {k: jnp.mean(v, axis=0) for k, v in auxs.items()}
+        # Counts (expert_counts) add up over the micro-batches, exactly (integers in float32);
+        # every other aux output is the micro-batches' mean.
+        aux = {
+            k: jnp.sum(v, axis=0) if k.endswith("_counts") else jnp.mean(v, axis=0)
+            for k, v in auxs.items()
+        }
         nll_sum = jnp.sum(nll_sums)
         ce = nll_sum / total
         return (ce + aux["moe_loss"], (ce, aux, nll_sum, count)), grads

@@ -74,8 +74,8 @@ class Router(nnx.Module):
     def update_state(self, metrics: Mapping[str, jax.Array]) -> None:
         """Updates non-parameter state from one train step's metrics of this layer (the block's
         aux: every key of `Routing.losses` and `Routing.metrics`, averaged over the step's
-        micro-batches). Called outside the gradient, after the optimizer update; the default
-        has no state and does nothing."""
+        micro-batches, but expert_counts summed: the global batch's). Called outside the
+        gradient, after the optimizer update; the default has no state and does nothing."""
         del metrics
 
 
