@@ -82,7 +82,7 @@ def test_generate_from_a_run_checkpoint(run_dir):
         (["--top_p", "0"], r"--top_p must be in (0, 1], got 0.0"),
         (
             ["--tokenizer", "/nonexistent/tok.json"],
-            "tokenizer /nonexistent/tok.json does not exist",
+            "--tokenizer '/nonexistent/tok.json': no such file or directory",
         ),
         (["--max_len", "8"], "more than --max_len 8"),
         (

@@ -175,18 +175,20 @@ def _train(p: _Parts, start: int) -> dict[str, Any]:
         done = step + 1
         p.guard.record(done, m)
         stop = p.preempt.should_stop(done)  # every process agrees on the step
+        if done % cfg.train.log_every == 0 or done == steps or stop:
+            last = _log(p, done, m, step_hash)
+        elif step_hash is not None:  # every step's batch, logged or not
+            p.log.write({"step": done, "batch_hash": step_hash})
         if p.ckpt and (done % cfg.checkpoint.every == 0 or done == steps or stop):
-            # Before the log, so that the row of a saving step carries checkpoint_time_s; the
-            # wait for the step itself stays in the steps' time (jax: unannotated).
+            # After the step's row, so a kill during the save loses no row; the save's time is
+            # a row of its own, left out of the next interval's step time (the wait for the
+            # step itself stays in the steps' time; jax: unannotated).
             jax.block_until_ready(p.state)  # type: ignore[no-untyped-call]
             with p.speed.apart("checkpoint"):
                 p.guard.check_before_save(done, p.state)
                 meta = {"step": done, "config": p.cfg_dict}
                 p.ckpt.save(done, p.state, meta, data_state, force=stop)
-        if done % cfg.train.log_every == 0 or done == steps or stop:
-            last = _log(p, done, m, step_hash)
-        elif step_hash is not None:  # every step's batch, logged or not
-            p.log.write({"step": done, "batch_hash": step_hash})
+            p.log.write({"step": done, "checkpoint_time_s": p.speed.take("checkpoint")})
         if stop:
             last["preempted"] = True
             p.preempt.finish(done, p.ckpt, p.log)

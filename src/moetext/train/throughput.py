@@ -42,6 +42,7 @@ class Throughput:
         """Starts a new interval now (after compiling, after each log)."""
         self._t_last, self._steps = time.perf_counter(), 0
         self._apart: dict[str, float] = {}
+        self._excluded = 0.0  # every apart block's time in this interval, reported or taken
 
     def step(self) -> None:
         """One more step dispatched in this interval."""
@@ -55,15 +56,20 @@ class Throughput:
         try:
             yield
         finally:
-            key = f"{name}_time_s"
-            self._apart[key] = self._apart.get(key, 0.0) + time.perf_counter() - t0
+            key, dt = f"{name}_time_s", time.perf_counter() - t0
+            self._apart[key] = self._apart.get(key, 0.0) + dt
+            self._excluded += dt
+
+    def take(self, name: str) -> float:
+        """The time of the `name` blocks so far, for a row of their own: `fields` no longer
+        reports it, but still leaves it out of the steps' time."""
+        return self._apart.pop(f"{name}_time_s", 0.0)
 
     def fields(self) -> dict[str, float]:
         """The interval's mean step time, tokens/s and MFU, and the time of each `apart` block
         in it; call it after waiting for the interval's last step (jax.device_get of its
         metrics), so the time is real."""
-        apart = sum(self._apart.values())
-        dt = (time.perf_counter() - self._t_last - apart) / self._steps
+        dt = (time.perf_counter() - self._t_last - self._excluded) / self._steps
         tps = self.tokens_per_step / dt
         return {
             "step_time_s": dt,
