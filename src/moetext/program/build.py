@@ -131,9 +131,12 @@ def make_plan(cfg: Config, devices: list[jax.Device] | None = None) -> sharding_
     return sharding_plan.make_plan(cfg.sharding, devices)
 
 
-def params_target(cfg: Config, plan: sharding_plan.Plan) -> checkpoint.ParamsTarget:
+def params_target(
+    cfg: Config, plan: sharding_plan.Plan, kind: Any = nnx.Param
+) -> checkpoint.ParamsTarget:
     """What `checkpoint.load_params` restores a checkpoint's params onto for a run of cfg on
-    plan: the model's abstract params on the plan's shardings, in either layer layout."""
+    plan: the model's abstract params on the plan's shardings, in either layer layout; with
+    kind=ModelState its model state instead (`checkpoint.load_model_state`)."""
     family = models.get_family(cfg.model.family)
     return checkpoint.ParamsTarget.of_model(
         cfg,
@@ -141,21 +144,13 @@ def params_target(cfg: Config, plan: sharding_plan.Plan) -> checkpoint.ParamsTar
         plan.shardings_for,
         stack_layers=family.stack_layers,
         unstack_layers=family.unstack_layers,
+        kind=kind,
     )
 
 
 def model_state_target(cfg: Config, plan: sharding_plan.Plan) -> checkpoint.ParamsTarget:
-    """Like `params_target`, for the model's models.ModelState variables
-    (`checkpoint.load_model_state`)."""
-    family = models.get_family(cfg.model.family)
-    return checkpoint.ParamsTarget.of_model(
-        cfg,
-        create_model,
-        plan.shardings_for,
-        stack_layers=family.stack_layers,
-        unstack_layers=family.unstack_layers,
-        kind=ModelState,
-    )
+    """`params_target` for the model's models.ModelState variables."""
+    return params_target(cfg, plan, kind=ModelState)
 
 
 def initial_model_state(cfg: Config, plan: sharding_plan.Plan) -> nnx.State[Any, Any]:
