@@ -15,7 +15,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -123,12 +122,7 @@ def load_model(
     )
     graphdef, state = nnx.split(abstract)
     # Model state HF does not store (a global-batch load buffer) starts as a new model's.
-    initial = jax.jit(
-        lambda: nnx.state(
-            models.build(cfg.model, cfg.moe, cfg.kernels, rngs=nnx.Rngs(params=0)),
-            models.ModelState,
-        )
-    )()
+    initial = models.initial_model_state(cfg.model, cfg.moe, cfg.kernels)
     nnx.replace_by_pure_dict(state, nnx.to_pure_dict(initial))
     for t in tensors:
         parts = read_parts(reader, t)

@@ -96,11 +96,7 @@ def initial_model_state(cfg: Config) -> nnx.State[Any, Any]:
     """The unscanned model's ModelState as a new model starts it, as NumPy (the params' init
     is dropped by jit): what a converted checkpoint holds where HF stores no tensor."""
     c = _unscanned(cfg)
-    state = jax.jit(
-        lambda: nnx.state(
-            models.build(c.model, c.moe, c.kernels, rngs=nnx.Rngs(0)), models.ModelState
-        )
-    )()
+    state = models.initial_model_state(c.model, c.moe, c.kernels)
     out: nnx.State[Any, Any] = jax.tree.map(np.asarray, state)
     return out
 

@@ -253,3 +253,24 @@ def build(
 ) -> nnx.Module:
     """The model of `model_cfg.family`, with params initialised from `rngs` (stream "params")."""
     return get_family(model_cfg.family).build(model_cfg, moe_cfg, kernels_cfg, rngs)
+
+
+def initial_model_state(
+    model_cfg: ModelConfig,
+    moe_cfg: MoEConfig,
+    kernels_cfg: KernelsConfig,
+    *,
+    seed: int = 0,
+    out_shardings: Any = None,
+) -> nnx.State[Any, Any]:
+    """The models.ModelState variables a new model of these configs starts with (e.g. the
+    router's moe.initial_bias), computed without allocating the params (jit drops their
+    initialisation); out_shardings as for jax.jit (None: default placement)."""
+    from moetext.models.layers.params import ModelState
+
+    def state() -> nnx.State[Any, Any]:
+        model = build(model_cfg, moe_cfg, kernels_cfg, rngs=nnx.Rngs(params=seed))
+        return nnx.state(model, ModelState)
+
+    out: nnx.State[Any, Any] = jax.jit(state, out_shardings=out_shardings)()
+    return out

@@ -158,10 +158,9 @@ def initial_model_state(cfg: Config, plan: sharding_plan.Plan) -> nnx.State[Any,
     shardings, without allocating the params (jit drops their initialisation)."""
     abstract = model_state_target(cfg, plan).abstract(cfg.model.scan_layers)
     shardings = jax.tree.map(lambda x: x.sharding, abstract)
-    state: nnx.State[Any, Any] = jax.jit(
-        lambda: nnx.state(create_model(cfg), ModelState), out_shardings=shardings
-    )()
-    return state
+    return models.initial_model_state(
+        cfg.model, cfg.moe, cfg.kernels, seed=cfg.train.seed, out_shardings=shardings
+    )
 
 
 def create_model(cfg: Config) -> nnx.Module:
