@@ -10,7 +10,10 @@ training (moetext.aot does the work; this file parses and prints). Prints per-ch
 compiled HLO; exits 1 when the step does not fit in HBM, 2 for a config or topology error.
 Extra options: json=PATH writes the numbers, hlo=PATH writes the optimised HLO text, dump=DIR
 has XLA dump the compile there (buffer assignment, memory-usage report) and splits the
-temporaries into those of XLA's buffer assignment and those the TPU backend adds after it.
+temporaries into those of XLA's buffer assignment and those the TPU backend adds after it;
+cost=true adds the step-cost report (moetext.step_cost: compiled vs model FLOPs, HBM bytes
+accessed, interconnect bytes and a roofline estimate of the step time and MFU; compiler-derived
+estimates, not timings).
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import moetext  # noqa: E402,F401,I001  (quiets libtpu's TPU probing where there is no TPU)
 from jax.errors import JaxRuntimeError  # noqa: E402
 
-from moetext import aot, config, models  # noqa: E402,F401  (models: families' config sections)
+from moetext import aot, config, models, step_cost  # noqa: E402,F401  (models: families' config sections)
 
-OPTIONS = ("topology", "json", "hlo", "dump")
+OPTIONS = ("topology", "json", "hlo", "dump", "cost")
 
 
 def parse_args(argv: list[str]) -> tuple[str, dict[str, str], list[str]]:
@@ -44,7 +47,8 @@ def parse_args(argv: list[str]) -> tuple[str, dict[str, str], list[str]]:
         "items",
         nargs="*",
         metavar="key=value",
-        help="topology=NAME (required), json=PATH, hlo=PATH, dump=DIR, section.key=value",
+        help="topology=NAME (required), json=PATH, hlo=PATH, dump=DIR, cost=true, "
+        "section.key=value",
     )
     args = p.parse_args(argv)
     if "=" in args.config:
@@ -58,6 +62,8 @@ def parse_args(argv: list[str]) -> tuple[str, dict[str, str], list[str]]:
             overrides.append(item)
     if "topology" not in options:
         p.error("missing topology=NAME, e.g. topology=v5p:4x4x2")
+    if options.get("cost", "false") not in ("true", "false"):
+        p.error(f"cost={options['cost']!r}: expected cost=true or cost=false")
     return args.config, options, overrides
 
 
@@ -84,6 +90,11 @@ def main(argv: list[str]) -> int:
     if "dump" in options:
         r["buffer_assignment_temp_bytes"] = aot.buffer_assignment_temp(options["dump"], r["module"])
     print(aot.format_report(r))
+    if options.get("cost") == "true":
+        r.update(
+            step_cost.step_cost(r, [c.as_text() or "" for _, c in aot.programs(step.compiled)])
+        )
+        print(step_cost.format_cost(r))
     if "json" in options:
         Path(options["json"]).write_text(json.dumps(r, indent=1))
     if "hlo" in options:

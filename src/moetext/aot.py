@@ -79,7 +79,11 @@ _OP_RE = re.compile(
 )
 _ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _COMP_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
-_CALL_RE = re.compile(r"\b(body|condition|calls|to_apply|called_computations)=\{?%?([\w.\-]+)")
+_CALL_RE = re.compile(
+    r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
+)
+# Computation lists: a conditional's branches, an async op's wrapped computations.
+_CALL_LIST_RE = re.compile(r"\b(branch_computations|called_computations)=\{([^}]*)\}")
 _TRIP_RE = re.compile(r'known_trip_count"?\s*[:=]\s*\{\s*"?n"?\s*[:=]\s*"?(\d+)')
 # Replica groups as XLA prints them: over named mesh axes, as an iota list, or explicit.
 _MESH_GROUPS_RE = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
@@ -164,8 +168,8 @@ def array_bytes(shape_text: str) -> tuple[float, list[str]]:
 
 def _call_multipliers(lines: list[str]) -> tuple[list[str | None], dict[str, int]]:
     """Computation of each line, and how often each computation runs per step: a while body
-    runs trip-count times per run of its caller; fusions and async wrappers as often as
-    their callers."""
+    runs trip-count times per run of its caller; fusions, async wrappers and each branch of a
+    conditional (an upper bound: one of them runs) as often as their callers."""
     comp_of_line: list[str | None] = []
     current: str | None = None
     body_of: dict[str | None, list[str]] = defaultdict(list)
@@ -180,6 +184,10 @@ def _call_multipliers(lines: list[str]) -> tuple[list[str | None], dict[str, int
         for key, callee in _CALL_RE.findall(line):
             n = _trip_count(line, body_of) if key == "body" else 1
             callers[callee].append((comp, n))
+        for _, names in _CALL_LIST_RE.findall(line):
+            # Every branch of a conditional counted as run (an upper bound: one runs).
+            for callee in re.findall(r"%?([\w.\-]+)", names):
+                callers[callee].append((comp, 1))
 
     memo: dict[str, int] = {}
 

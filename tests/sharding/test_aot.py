@@ -154,6 +154,7 @@ def test_cli_prints_the_report_and_writes_json_and_hlo(tmp_path):
         f"json={tmp_path}/r.json",
         f"hlo={tmp_path}/s.hlo",
         f"dump={tmp_path}/xla",
+        "cost=true",
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]  # fits: exit 0
     assert out.stdout.startswith("topology v5p:2x2x1: 4 chips, mesh {'data': 1, 'fsdp': 4")
@@ -172,6 +173,13 @@ def test_cli_prints_the_report_and_writes_json_and_hlo(tmp_path):
     assert 0 < heap <= r["temporaries_bytes"], (heap, r["temporaries_bytes"])
     assert "in XLA's buffer assignment" in out.stdout
     assert "all-gather" in (tmp_path / "s.hlo").read_text()
+    # cost=true: the step-cost report (moetext.step_cost; its numbers: test_step_cost.py).
+    assert "step cost per device (compiler-derived estimates on v5p peaks" in out.stdout
+    for key in ("model_flops", "compiled_flops", "hbm_bytes_accessed", "ici_bytes"):
+        assert r[key] > 0, key
+    assert r["compiled_flops"] >= r["model_flops"]  # remat recomputes, never skips
+    assert 0 < r["step_s_low"] <= r["step_s_high"] and 0 < r["mfu_low"] <= r["mfu_high"] < 1
+    assert r["hbm_bytes"] == 95 * 2**30  # hbm_bytes keeps meaning the capacity
 
 
 def test_cli_input_errors_are_one_line():
@@ -181,6 +189,8 @@ def test_cli_input_errors_are_one_line():
     assert out.stderr.startswith("topology error: unknown TPU generation 'v9z'"), out.stderr
     out = _cli(tiny)
     assert out.returncode == 2 and "missing topology=NAME" in out.stderr, out.stderr
+    out = _cli(tiny, "topology=v5p:2x2x1", "cost=yes")
+    assert out.returncode == 2 and "cost='yes': expected cost=true" in out.stderr, out.stderr
 
 
 # Per-chip memory of the 2-layer Qwen3-30B-A3B-shaped step below (the report's total: the larger
