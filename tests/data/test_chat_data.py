@@ -232,3 +232,22 @@ def test_a_tokenizer_without_the_chat_pieces_is_refused_at_prepare_time(tmp_path
     argv[-1] = str(mine / "tokenizer.model")
     assert prepare_main(argv) == 0
     assert (tmp_path / "data/c/1.0.0/chat_template.jinja").is_file()
+
+
+def test_the_ahead_of_time_batch_is_the_one_chat_data_yields(prepared):
+    # moetext.aot compiles the step for program.abstract_batch(..., batch_keys(data.kind)):
+    # the same keys, shapes and dtypes as the rows the trainer feeds, or the compiled step
+    # would not take them.
+    import jax
+
+    from moetext.data.batch import batch_keys
+    from moetext.program import abstract_batch
+
+    data = chat_pipeline.build(_cfg(prepared), 512, range(4))
+    real = data.next_batch()
+    data.close()
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = abstract_batch(4, 64, one, batch_keys("chat"))
+    assert {k: (v.shape, v.dtype) for k, v in abstract.items()} == {
+        k: (v.shape, v.dtype) for k, v in real.items()
+    }
