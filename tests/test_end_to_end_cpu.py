@@ -2,7 +2,8 @@
 generate -> HF and back -> logits -> fine-tune on chats -> generate --chat -> HF), and its
 checks failing loudly on wrong results.
 
-Budget: the script ~100 s alone on 2 cores (measured 102 s), more beside other tests.
+Budget: the script ~3 min alone on 2 cores (stages a-e measured 102 s; stage f, the SFT, took
+289 s on a host loaded ~6x beyond its cores), more beside other tests.
 """
 
 from __future__ import annotations
