@@ -38,7 +38,7 @@ def test_run_all_passes_every_stage_and_writes_only_under_its_temp_dir(tmp_path)
     env = {k: v for k, v in os.environ.items() if k not in ("MOETEXT_DATA_DIR", "KEEP")}
     env.update(TMPDIR=str(tmp), HOME=str(home))
     run = subprocess.run(
-        ["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=900
+        ["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=1200
     )
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-5000:]
