@@ -1,7 +1,9 @@
 """end_to_end/cpu/run_all.sh: the CLIs end to end (prepare -> train -> kill -9 and resume ->
-generate -> HF and back -> logits), and its checks failing loudly on wrong results.
+generate -> HF and back -> logits -> fine-tune on chats -> generate --chat -> HF), and its
+checks failing loudly on wrong results.
 
-Budget: the script ~100 s alone on 2 cores (measured 102 s), more beside other tests.
+Budget: the script ~3 min alone on 2 cores (stages a-e measured 102 s; stage f, the SFT, took
+289 s on a host loaded ~6x beyond its cores), more beside other tests.
 """
 
 from __future__ import annotations
@@ -17,7 +19,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "end_to_end" / "cpu" / "run_all.sh"
 CHECKS = REPO / "end_to_end" / "cpu" / "checks.py"
-STAGES = ("(a) prepare", "(b) train", "(c) the same run", "(d) generate", "(e) convert")
+STAGES = (
+    "(a) prepare",
+    "(b) train",
+    "(c) the same run",
+    "(d) generate",
+    "(e) convert",
+    "(f) fine-tune",
+)
 
 
 @pytest.mark.slow
@@ -29,7 +38,7 @@ def test_run_all_passes_every_stage_and_writes_only_under_its_temp_dir(tmp_path)
     env = {k: v for k, v in os.environ.items() if k not in ("MOETEXT_DATA_DIR", "KEEP")}
     env.update(TMPDIR=str(tmp), HOME=str(home))
     run = subprocess.run(
-        ["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600
+        ["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=1200
     )
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-5000:]
@@ -83,3 +92,31 @@ def test_the_wait_check_fails_when_the_run_ends_before_the_kill(tmp_path):
     proc.wait()
     got = _check("wait-checkpoint", str(tmp_path), str(proc.pid), "60")
     assert got.returncode == 1 and "ended before it could be killed" in got.stderr, got.stderr
+
+
+_HELD = ["0+7?", "3+5?", "6+2?", "9+9?"]  # checks.HELD_OUT
+
+
+@pytest.mark.parametrize(
+    "replies, message",
+    [
+        # A reply that runs on past the end of turn (no <|im_end|>) or talks instead of
+        # answering fails; so does a missing reply.
+        ([("7", True), ("8", False), ("8", True), ("18", True)], "no end of turn"),
+        ([("7", True), ("8", True), ("user: 6+2?", True), ("18", True)], "not a sum 0..18"),
+        ([("7", True), ("8", True), ("8", True)], "replies to"),
+    ],
+)
+def test_the_chat_check_fails_loudly(tmp_path, replies, message):
+    rows = [
+        {"prompt": q, "completion": c, "eos": e} for q, (c, e) in zip(_HELD, replies, strict=False)
+    ]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = _check("chatted", str(tmp_path / "c.jsonl"))
+    assert got.returncode == 1 and message in got.stderr, got.stderr
+    rows = [{"prompt": q, "completion": "5", "eos": True} for q in _HELD]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ok = _check("chatted", str(tmp_path / "c.jsonl"))
+    assert ok.returncode == 0 and ok.stdout.endswith(
+        "(0 of 4 right; the form is asserted, not the sums)\n"
+    )

@@ -96,6 +96,9 @@ def prepare(args: argparse.Namespace) -> str:
     )
     text = LOGIT_TEXTS[0]
     check(tok.decode(tok.encode(text)) == text, "the tokenizer does not round-trip text")
+    # Stage (f) fine-tunes the pretrained model on chats with the built-in ChatML template.
+    missing = [t for t in ("<|im_start|>", "<|im_end|>") if tok.token_id(t) is None]
+    check(not missing, f"the tokenizer lacks the ChatML pieces {missing}")
     return (
         f"{docs['train']} train / {docs['eval']} eval documents, "
         f"{tok.vocab_size}-piece tokenizer in {dataset_dir}"
@@ -306,6 +309,93 @@ def _run_model(config: Path, step_dir: Path) -> Any:
     return nnx.merge(graphdef, params, rest)
 
 
+# ---- (f) fine-tune on conversations --------------------------------------------------------
+
+# The chat task: "a+b?" -> the sum, a, b digits: the answer is a function of the question, so
+# learning it is measurable. These questions are never in the training set; generate --chat
+# answers them.
+HELD_OUT = ((0, 7), (3, 5), (6, 2), (9, 9))
+# Cross-entropy of a model that knows the answer's form (one of 19 sums, then <|im_end|>) and
+# nothing of the arithmetic: ln(19) / 2 nats per trained target (the answer, the end of turn)
+# for one-token answers, less for two-token ones. A trained model must beat the pretrained one
+# by far and come below ln(19) = 2.94: measured (60 steps) step 1 7.6, final eval 1.14.
+FORM_ONLY_CE = math.log(19)
+
+
+def chats(args: argparse.Namespace) -> str:
+    """Writes OUT/chats.jsonl (both line forms, some with a system message) and
+    OUT/held_out.txt (one question a line)."""
+    import random
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(0)
+    pairs = [(a, b) for a in range(10) for b in range(10) if (a, b) not in HELD_OUT]
+    lines: list[dict[str, Any]] = []
+    for i in range(args.n):
+        a, b = rng.choice(pairs)
+        if i % 3 == 0:
+            lines.append({"prompt": f"{a}+{b}?", "completion": f"{a + b}"})
+            continue
+        msgs = [
+            {"role": "user", "content": f"{a}+{b}?"},
+            {"role": "assistant", "content": f"{a + b}"},
+        ]
+        head = [{"role": "system", "content": "Add."}] if i % 3 == 1 else []
+        lines.append({"messages": head + msgs})
+    (out / "chats.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (out / "held_out.txt").write_text("".join(f"{a}+{b}?\n" for a, b in HELD_OUT))
+    return f"{len(lines)} conversations over {len(pairs)} questions, {len(HELD_OUT)} held out"
+
+
+def sft(args: argparse.Namespace) -> str:
+    """The fine-tune from the pretrained checkpoint: every step's loss on the assistant tokens
+    only (loss_tokens: 2-3 per conversation, far below the row tokens), and learnt."""
+    run = Path(args.run_dir)
+    got = step_rows(run)
+    steps = [r["step"] for r in got]
+    check(steps == list(range(1, args.steps + 1)), f"logged steps {steps}, want 1..{args.steps}")
+    counts = [int(r["loss_tokens"]) for r in got]
+    # Each conversation's trained targets are its answer (1-2 tokens) and <|im_end|>, of a
+    # conversation of ~20-30 tokens: measured 28-46 of the 512 per step.
+    check(
+        all(0 < c <= 0.25 * args.row_tokens for c in counts),
+        f"loss_tokens {min(counts)}..{max(counts)} per step, want > 0 and at most a quarter "
+        f"of the {args.row_tokens} tokens per step (the assistant answers only)",
+    )
+    first, evals = got[0]["loss"], [r["eval_ce_loss"] for r in got if "eval_ce_loss" in r]
+    check(bool(evals) and all(math.isfinite(x) for x in evals), f"eval losses {evals}")
+    check(
+        evals[-1] < FORM_ONLY_CE and evals[-1] < first / 2,
+        f"not learnt: step 1 loss {first:.3f}, final eval_ce_loss {evals[-1]:.3f} (want below "
+        f"ln(19) = {FORM_ONLY_CE:.3f} and half the first)",
+    )
+    ckpts = complete_checkpoints(run)
+    check(bool(ckpts) and ckpts[-1] == args.steps, f"checkpoints {ckpts}, want the last at N")
+    return (
+        f"loss {first:.4f} -> {got[-1]['loss']:.4f} on {min(counts)}-{max(counts)} trained "
+        f"tokens per step, eval_ce_loss {evals[-1]:.4f} (< ln 19 = {FORM_ONLY_CE:.2f})"
+    )
+
+
+def chatted(args: argparse.Namespace) -> str:
+    """generate --chat --jsonl on the held-out questions: one reply each, ended by the end of
+    turn, in the trained form (a sum, 0..18), with no role header or user text."""
+    path = Path(args.jsonl)
+    got = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    want = [f"{a}+{b}?" for a, b in HELD_OUT]
+    check([r["prompt"] for r in got] == want, f"replies to {[r['prompt'] for r in got]}")
+    for r in got:
+        check(r["eos"], f"no end of turn within the token budget for {r['prompt']!r}: {r}")
+        check(
+            r["completion"].strip() in {str(n) for n in range(19)},
+            f"reply to {r['prompt']!r} is {r['completion']!r}, not a sum 0..18",
+        )
+    right = sum(int(r["completion"]) == a + b for r, (a, b) in zip(got, HELD_OUT, strict=True))
+    pairs = ", ".join(f"{r['prompt']} {r['completion'].strip()}" for r in got)
+    return f"{pairs} ({right} of {len(got)} right; the form is asserted, not the sums)"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     sub = p.add_subparsers(dest="stage", required=True)
@@ -346,6 +436,15 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("config")
     s.add_argument("checkpoint")
     s.add_argument("hf")
+    s = add("chats", chats)
+    s.add_argument("out")
+    s.add_argument("n", type=int)
+    s = add("sft", sft)
+    s.add_argument("run_dir")
+    s.add_argument("steps", type=int)
+    s.add_argument("row_tokens", type=int)
+    s = add("chatted", chatted)
+    s.add_argument("jsonl")
     args = p.parse_args(argv)
     # orbax warns on every restore of a run's state/ that it has no _CHECKPOINT_METADATA of
     # its own (the step directory holds it); absl is installed with jax and orbax.

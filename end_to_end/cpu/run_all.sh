@@ -6,7 +6,9 @@
 #       metrics and final params equal the reference's bit for bit
 #   (d) generate from the final checkpoint
 #   (e) orbax -> HF safetensors -> orbax -> HF: bit-exact; HF model logits == run model logits
-# ~1.5-2 min on 2 CPU cores (measured 77-102 s on a shared machine). Writes only under a
+#   (f) fine-tune the final checkpoint on generated conversations (assistant-only loss), answer
+#       held-out questions with generate --chat, export to HF and compare logits
+# ~2.5-3 min on 2 CPU cores (measured 77-102 s for (a)-(e) on a shared machine). Writes only under a
 # `mktemp -d` directory (data, runs, conversions, TMPDIR, caches), removed on exit unless KEEP=1:
 #   bash end_to_end/cpu/run_all.sh    # KEEP=1 keeps the work dir; STEPS=N (a multiple of 20)
 set -euo pipefail
@@ -102,6 +104,38 @@ out=$("$PY" "$CHECKS" hf-roundtrip "$WORK/hf" "$WORK/orbax" "$WORK/hf2" "$CKPT")
   || fail "see above"
 echo "   $out"
 out=$("$PY" "$CHECKS" logits "$WORK/run/config.yml" "$CKPT" "$WORK/hf") || fail "see above"
+passed "$out"
+
+# Fine-tuning on conversations from the pretrained checkpoint, with its own tokenizer (which
+# reserves the ChatML pieces) and the built-in ChatML template; the loss on the answers only.
+SFT_STEPS=60
+stage "(f) fine-tune $CKPT on conversations ($SFT_STEPS steps), chat with it, export it"
+out=$("$PY" "$CHECKS" chats "$WORK/chats" 400) || fail "see above"
+echo "   $out"
+run "$WORK/prepare_chats.log" "$PY" -m moetext.data.prepare --format chat \
+  --input "$WORK/chats/chats.jsonl" --name sums --data_dir "$WORK/data" \
+  --tokenizer "$WORK/run/tokenizer" --eval_fraction 0.05
+run "$WORK/sft.log" "$PY" -m train "$REPO/configs/finetune/tiny-qwen3-moe-sft.yml" \
+  "checkpoint.load_params_from=$CKPT" "data.name=sums" "data.data_dir=$WORK/data" \
+  "train.run_dir=$WORK/sft" "train.steps=$SFT_STEPS" "train.log_every=1" \
+  "train.eval_every=$SFT_STEPS" "checkpoint.every=$SFT_STEPS" "train.progress_bar=false" \
+  "train.peak_tflops=1.0"
+grep -q "^params from $CKPT" "$WORK/sft.log" || fail "the fine-tune did not start from $CKPT"
+out=$("$PY" "$CHECKS" sft "$WORK/sft" "$SFT_STEPS" $((8 * 64))) || fail "see above"  # batch x seq_len
+echo "   $out"
+SFT_CKPT="$WORK/sft/checkpoints/$SFT_STEPS"
+mapfile -t HELD < "$WORK/chats/held_out.txt"
+CHAT=(); for q in "${HELD[@]}"; do CHAT+=(--chat "$q"); done
+rc=0
+"$PY" -m moetext.generate "$WORK/sft/config.yml" --checkpoint "$SFT_CKPT" --jsonl \
+  "${CHAT[@]}" --max_new_tokens 6 >"$WORK/chatted.jsonl" 2>"$WORK/chat.log" || rc=$?
+[[ $rc == 0 ]] || { tail -n 30 "$WORK/chat.log" >&2; fail "moetext.generate --chat exited $rc"; }
+out=$("$PY" "$CHECKS" chatted "$WORK/chatted.jsonl") || fail "see above"
+echo "   $out"
+run "$WORK/sft_to_hf.log" "$PY" -m moetext.convert orbax-to-hf --checkpoint "$SFT_CKPT" \
+  --out "$WORK/sft_hf"
+out=$("$PY" "$CHECKS" logits "$WORK/sft/config.yml" "$SFT_CKPT" "$WORK/sft_hf") \
+  || fail "see above"
 passed "$out"
 
 echo

@@ -306,11 +306,16 @@ def compile_step(
     JaxRuntimeError when it refuses to compile (`exceeds_hbm` tells a step too big for HBM).
     """
     from moetext import program
+    from moetext.data.batch import batch_keys
 
     hbm_bytes(topology)  # an unknown generation fails now, not after minutes of compiling
     cfg = for_tpu(cfg)
     b = program.build(cfg, tpu_devices(topology), abstract=True)
-    batch = program.abstract_batch(cfg.data.global_batch_size, cfg.data.seq_len, b.batch_sharding)
+    # The batch the trainer feeds: chat data carries a loss_mask the step must take.
+    keys = batch_keys(cfg.data.kind)
+    batch = program.abstract_batch(
+        cfg.data.global_batch_size, cfg.data.seq_len, b.batch_sharding, keys
+    )
     t0 = time.perf_counter()
     lowered = program.lower_checked(b, program.jit_train_step(b), b.state, batch)
     t1 = time.perf_counter()
@@ -426,6 +431,7 @@ def report(step: CompiledStep) -> dict[str, Any]:
         "seq_len": cfg.data.seq_len,
         "grad_accum_steps": cfg.train.grad_accum_steps,
         "tokens_per_chip": tokens_per_chip,
+        "batch": batch_inputs(compiled),
         **memory_and_cost(compiled, step.topology),
         # Model FLOPs (6N + attention, no remat recompute): what MFU is measured against.
         "model_flops_per_chip": flops_per_token(cfg.model, cfg.moe, cfg.data.seq_len)
@@ -435,6 +441,16 @@ def report(step: CompiledStep) -> dict[str, Any]:
         "collectives": [{"op": op, "dtypes": dt, **v} for (op, dt), v in sorted(coll.items())],
         "collectives_by_shape": [{"op": op, "shapes": sh, **v} for (op, sh), v in by_shape],
     }
+
+
+def batch_inputs(compiled: Any) -> dict[str, list[int]]:
+    """The batch the compiled step takes, {key: global shape}, read from the compiled program's
+    arguments (the gradient program's under train.separate_update): (state, batch)."""
+    from moetext.program import TwoPrograms
+
+    first = compiled.gradient if isinstance(compiled, TwoPrograms) else compiled
+    (_, batch), _ = first.args_info
+    return {k: list(v.shape) for k, v in batch.items()}
 
 
 def format_report(r: dict[str, Any]) -> str:

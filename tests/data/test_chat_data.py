@@ -15,6 +15,7 @@ from moetext.data import chat_pipeline, chat_source
 from moetext.data.batch import target_mask
 from moetext.data.chat_template import CHATML
 from moetext.data.pipeline import document_source
+from moetext.data.prepare import main as prepare_main
 from moetext.data.prepare import prepare
 from moetext.data.tokenizer import load_tokenizer
 from moetext.errors import ConfigError
@@ -201,3 +202,52 @@ def test_train_on_all_and_template_errors_name_the_conversation(prepared, tmp_pa
     text = dataclasses.replace(_cfg(prepared), name="texts", data_dir=str(tmp_path))
     with pytest.raises(ConfigError, match="holds text documents, not conversations"):
         chat_pipeline.build(text, 512, range(4))
+
+
+def test_a_tokenizer_without_the_chat_pieces_is_refused_at_prepare_time(tmp_path, capsys):
+    # A sentencepiece model trained on text (no user-defined symbols): <|im_start|> and
+    # <|im_end|> are no pieces of it, and it has no chat template of its own.
+    lines = [f"plain text document number {i}, with some words in it" for i in range(60)]
+    (tmp_path / "texts.txt").write_text("\n\n".join(lines))
+    prepare([str(tmp_path / "texts.txt")], "texts", str(tmp_path / "text_data"),
+            txt_mode="blank_lines", vocab_size=300, quiet=True)  # fmt: skip
+    spm = tmp_path / "text_data/texts/1.0.0/tokenizer.model"
+    assert load_tokenizer(spm).token_id("<|im_start|>") is None
+    chats = _write(tmp_path / "chats.jsonl", _conversations(8))
+    argv = ["--format", "chat", "--input", str(chats), "--name", "c",
+            "--data_dir", str(tmp_path / "data"), "--tokenizer", str(spm)]  # fmt: skip
+    assert prepare_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"prepare: error: --tokenizer {spm} lacks "), err
+    assert "<|im_start|>, <|im_end|>" in err and "chat_template.jinja" in err, err
+    assert "leave out --tokenizer" in err, err
+    assert not (tmp_path / "data").exists()  # refused before anything was written
+    # The remedy it names: a template written for its pieces beside it, copied with it.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "tokenizer.model").write_bytes(spm.read_bytes())
+    (mine / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+    )
+    argv[-1] = str(mine / "tokenizer.model")
+    assert prepare_main(argv) == 0
+    assert (tmp_path / "data/c/1.0.0/chat_template.jinja").is_file()
+
+
+def test_the_ahead_of_time_batch_is_the_one_chat_data_yields(prepared):
+    # moetext.aot compiles the step for program.abstract_batch(..., batch_keys(data.kind)):
+    # the same keys, shapes and dtypes as the rows the trainer feeds, or the compiled step
+    # would not take them.
+    import jax
+
+    from moetext.data.batch import batch_keys
+    from moetext.program import abstract_batch
+
+    data = chat_pipeline.build(_cfg(prepared), 512, range(4))
+    real = data.next_batch()
+    data.close()
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = abstract_batch(4, 64, one, batch_keys("chat"))
+    assert {k: (v.shape, v.dtype) for k, v in abstract.items()} == {
+        k: (v.shape, v.dtype) for k, v in real.items()
+    }

@@ -62,6 +62,11 @@ def test_ensure_prepares_once_then_hits_the_cache(monkeypatch, tmp_path, capsys)
     text = builder.as_data_source("train")[0]["text"].decode()
     tok = load_tokenizer(tok_path)
     assert tok.vocab_size == 512 and tok.decode(tok.encode(text)) == text
+    # The ChatML pieces are reserved (single tokens), so a model pretrained on this corpus
+    # can be fine-tuned on chats with the built-in template.
+    ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
+    assert tok.token_id("<|im_start|>") in ids[:2]  # after sentencepiece's dummy prefix "▁"
+    assert ids[-1] == tok.token_id("<|im_end|>")
 
     mtime = os.stat(os.path.join(dataset_dir, "dataset_info.json")).st_mtime_ns
     assert corpus.ensure_python_docs(vocab_size=512) == (dataset_dir, tok_path)

@@ -15,6 +15,7 @@ import pytest
 from jax.experimental import topologies
 
 from moetext import aot, config
+from moetext.data.batch import CHAT_KEYS, KEYS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -122,6 +123,7 @@ def test_qwen3_30b_shape_compiles_for_v5p_and_reports(monkeypatch):
     assert r["fits"] is False and r["hbm_bytes"] == 1024**2
     assert "HBM: DOES NOT FIT" in aot.format_report(r)
     assert r["chips"] == 4 and r["mesh"] == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 1}
+    assert r["batch"] == {k: [4, 129] for k in KEYS}  # text data: no loss_mask
     # Arguments: f32 params + two f32 Adam moments, sharded 4 ways. 2 layers of
     # Qwen3-30B-A3B + embeddings ~ 1.88e9 params -> ~5.6 GB per chip; allow 10% for the rest.
     params = 2 * 151936 * 2048 + 2 * (
@@ -155,12 +157,17 @@ def test_cli_prints_the_report_and_writes_json_and_hlo(tmp_path):
         f"hlo={tmp_path}/s.hlo",
         f"dump={tmp_path}/xla",
         "cost=true",
+        "data.kind=chat",  # an SFT run's step: its batch carries the loss mask
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]  # fits: exit 0
     assert out.stdout.startswith("topology v5p:2x2x1: 4 chips, mesh {'data': 1, 'fsdp': 4")
     assert "HBM: fits" in out.stdout and "collectives per step" in out.stdout
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["fits"] is True and r["preset"] == "fsdp" and r["collectives"]
+    # The compiled gradient program takes the batch chat data yields (tokens, segment_ids,
+    # positions, loss_mask: moetext.data.chat_pipeline), each [B, S + 1] of the tiny config.
+    rows = [8, 65]
+    assert r["batch"] == {k: rows for k in CHAT_KEYS}, r["batch"]
     # train.separate_update (the default): two programs, the larger one's figures on top.
     progs = {p["program"]: p for p in r["programs"]}
     assert progs.keys() == {"gradient", "update"}

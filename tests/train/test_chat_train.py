@@ -5,6 +5,10 @@ in it."""
 import contextlib
 import io
 import json
+import os
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +67,7 @@ def test_chat_finetune_trains_on_assistant_tokens_only(tmp_path):
     # 0.91 at step 80.
     assert last["eval_ce_loss"] < 1.2, last
     _chat_answers(tmp_path / "run")
+    _chat_session_on_stdin(tmp_path / "run", tmp_path / "run/checkpoints/80")
 
 
 def _chat_answers(run):
@@ -84,3 +89,56 @@ def _chat_answers(run):
     # produced. (Arithmetic itself is not learnt in 80 steps: 2 of 15 sums right, measured.)
     assert all(r["eos"] for r in rows), rows
     assert all(r["completion"].strip() in {str(n) for n in range(19)} for r in rows), rows
+
+
+def _chat_session_on_stdin(run, step_dir):
+    """`generate --chat -` as a user types it: a turn, its reply on stdout before the next
+    turn is typed (stdin stays open), a blank line (ignored), another turn, then end of input.
+    Each reply equals the in-process greedy reply to the whole conversation so far (the
+    earlier turns and replies kept, as the template renders them)."""
+    from moetext.generate import batch_shards, chat, load
+    from moetext.program import make_plan
+
+    ckpt = str(step_dir)
+    cmd = [sys.executable, "-m", "moetext.generate", str(run / "config.yml"),
+           "--checkpoint", ckpt, "--chat", "-", "--max_new_tokens", "6"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    log = run / "session.log"  # stderr to a file: a full pipe nobody reads would block it
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
+            env=env, cwd=run,
+        )  # fmt: skip
+    watchdog = threading.Timer(300, proc.kill)  # a reply that never comes fails, not hangs
+    watchdog.start()
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        replies = []
+        for typed in ("3+5?\n", "\n7+9?\n"):
+            proc.stdin.write(typed)
+            proc.stdin.flush()
+            replies.append(proc.stdout.readline())  # printed while stdin is still open
+        proc.stdin.close()  # end of input (Ctrl-D) ends the session
+        rest = proc.stdout.read()
+        proc.wait()
+    finally:
+        watchdog.cancel()
+    err = log.read_text()
+    assert proc.returncode == 0 and rest == "", (proc.returncode, rest, err[-2000:])
+    assert all(r.endswith("\n") for r in replies), (replies, err[-2000:])
+
+    cfg, model, tok = load(run / "config.yml", ckpt)
+    template = chat.template_for(tok, cfg.data.chat_template)
+    stop = chat.stop_ids(template, tok, ckpt, str(run / "tokenizer"))
+    plan = make_plan(cfg)
+    kw = dict(stop=stop, max_new_tokens=6, max_len=cfg.data.seq_len,
+              batch_multiple=batch_shards(plan))  # fmt: skip
+    conv: list[dict[str, str]] = []
+    with plan.rules():
+        for user, got in zip(("3+5?", "7+9?"), replies, strict=True):
+            conv.append({"role": "user", "content": user})
+            (want,), _ = chat.reply(model, tok, template, [conv], **kw)
+            assert got == want + "\n", (conv, got, want)
+            conv.append({"role": "assistant", "content": want})
+    # The history matters to these replies: on end_to_end/cpu/run_all.sh's SFT model the
+    # second turn's greedy reply is "1" after the first exchange and "11" alone (measured).

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 KEYS = ("tokens", "segment_ids", "positions")
 LOSS_MASK = "loss_mask"
+CHAT_KEYS = (*KEYS, LOSS_MASK)
 
 Batch = dict[str, np.ndarray]
 
@@ -44,6 +45,12 @@ def from_tokens(tokens_BS1: np.ndarray) -> Batch:
         "segment_ids": np.ones((b, s1), np.int32),
         "positions": np.broadcast_to(np.arange(s1, dtype=np.int32), (b, s1)).copy(),
     }
+
+
+def batch_keys(kind: str) -> tuple[str, ...]:
+    """The keys of the batches that data.kind's pipeline yields (what a step compiled ahead of
+    time must take: the trainer feeds exactly these)."""
+    return CHAT_KEYS if kind == "chat" else KEYS
 
 
 def target_mask[A: (np.ndarray, jax.Array)](batch: Mapping[str, A]) -> A:

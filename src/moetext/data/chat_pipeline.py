@@ -29,7 +29,7 @@ import numpy as np
 
 from moetext.config import DataConfig
 from moetext.data import TrainData, chat_source, pipeline
-from moetext.data.batch import LOSS_MASK, Batch
+from moetext.data.batch import CHAT_KEYS, Batch
 from moetext.data.chat_template import ChatTemplate, ChatTemplateError, encode
 from moetext.errors import ConfigError
 
@@ -151,7 +151,7 @@ class PackedChatBatches(pipeline.PackedBatches):
 
     def __next__(self) -> Batch:
         parts = [s.next_row() for s in self._streams]
-        keys = ("tokens", "segment_ids", "positions", LOSS_MASK)
+        keys = CHAT_KEYS
         return {key: np.stack([p[i] for p in parts]) for i, key in enumerate(keys)}
 
     def __iter__(self) -> Self:

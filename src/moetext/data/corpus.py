@@ -8,8 +8,12 @@ the dataset's TFDS version, so each interpreter gets its own copy (DATA_DIR/pyth
 
 `ensure_python_docs` prepares the text once and a sentencepiece tokenizer per vocabulary size
 (`tokenizer-v<V>.model` beside the dataset, V = min(requested, VOCAB_CAP), raised to the
-corpus' minimum of ~350 pieces when below it), under an exclusive file lock so that concurrent
-first uses (pytest workers, processes on one filesystem) wait for a single preparation.
+corpus' minimum of ~350 pieces when below it). Its pieces include `<|im_start|>` and
+`<|im_end|>` (user-defined symbols, as a released base model's tokenizer reserves its chat
+tokens), so a model pretrained on it can be fine-tuned on conversations with the built-in
+ChatML template (moetext.data.chat_template). The preparation runs under an exclusive file
+lock so that concurrent first uses (pytest workers, processes on one filesystem) wait for a
+single preparation.
 """
 
 from __future__ import annotations
@@ -26,10 +30,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from moetext.data import prepare as prepare_lib
+from moetext.data.chat_template import CHATML_TOKENS
 from moetext.data.train_tokenizer import VocabSizeError, train_from_split
 
 PYTHON_DOCS = "python_docs"
-CORPUS_FORMAT = 1  # bump when the documents change, so caches are rebuilt
+# Bump when the documents or the tokenizers change, so caches are rebuilt (2: the tokenizers
+# reserve the ChatML pieces).
+CORPUS_FORMAT = 2
 VOCAB_CAP = 8192  # the corpus (~2M characters) supports BPE vocabularies up to ~40k
 EVAL_FRACTION = 0.02  # ~10 held-out documents
 SKIP_DIRS = frozenset(
@@ -184,16 +191,15 @@ def _train_tokenizer(dataset_dir: str, vocab: int) -> str:
     record = prepare_lib.read_record(dataset_dir) or {}
     chars = record.get("stats", {}).get("characters", {}).get("train")
     path = os.path.join(dataset_dir, f"tokenizer-v{vocab}.model")
+    kw = dict(total_chars=chars, quiet=True, user_defined_symbols=CHATML_TOKENS)
     try:
-        return train_from_split(dataset_dir, path, vocab_size=vocab, total_chars=chars, quiet=True)
+        return train_from_split(dataset_dir, path, vocab_size=vocab, **kw)
     except VocabSizeError as e:
         if e.too_large:
             raise ValueError(f"{PYTHON_DOCS}: {e}") from None
         smallest = os.path.join(dataset_dir, f"tokenizer-v{e.limit}.model")
         if not os.path.exists(smallest):
-            train_from_split(
-                dataset_dir, smallest, vocab_size=e.limit, total_chars=chars, quiet=True
-            )
+            train_from_split(dataset_dir, smallest, vocab_size=e.limit, **kw)
         return smallest
 
 

@@ -10,7 +10,8 @@ Writes DATA_DIR/NAME/VERSION/: the TFDS files, the tokenizer (`tokenizer.model`,
 - Inputs (moetext.data.sources): .txt, .jsonl, .jsonl.gz files, directories, globs; streamed.
   --format chat: .jsonl(.gz) conversations (moetext.data.chat_source), stored as the JSON of
   their messages (feature `messages`, with `source` = file:line); a tokenizer trained for them
-  has <|im_start|> and <|im_end|> as single pieces (the built-in ChatML template's tokens).
+  has <|im_start|> and <|im_end|> as single pieces (the built-in ChatML template's tokens);
+  a --tokenizer given for them must have a chat template of its own or those pieces.
 - Split: a document is in `eval` when a hash of its key (file + line/block) is below
   eval_fraction. Tiny corpora: if that leaves eval empty (eval_fraction > 0, >= 2 documents)
   the train document with the smallest hash moves there, and if it leaves train empty the
@@ -45,9 +46,15 @@ from typing import Any, Literal
 
 from moetext import paths
 from moetext.data import chat_source, sources, tfds_text
-from moetext.data.chat_template import CHATML_TOKENS
+from moetext.data.chat_template import CHATML_TOKENS, ChatTemplateError, load_chat_template
 from moetext.data.sources import SourceFile, TxtMode
-from moetext.data.tokenizer import SENTENCEPIECE_FILE, Tokenizer, load_tokenizer
+from moetext.data.tokenizer import (
+    CHAT_TEMPLATE_FILE,
+    HF_CONFIG_FILE,
+    SENTENCEPIECE_FILE,
+    Tokenizer,
+    load_tokenizer,
+)
 from moetext.data.train_tokenizer import MIN_VOCAB_SIZE, ModelType, train_from_split
 
 RECORD_FILE = "moetext_prepare.json"
@@ -211,6 +218,8 @@ def prepare(
     if format == "chat":
         chat_source.check_files(files)
     given = load_tokenizer(tokenizer) if tokenizer and with_tokenizer else None
+    if format == "chat" and given is not None:
+        _check_chat_tokenizer(given)
     data_dir = os.path.abspath(os.path.expanduser(data_dir))
     options = {
         "name": name,
@@ -293,6 +302,27 @@ def _build(
     if not quiet:
         _report(final, stats, tok_name)
     return PrepareResult(final, os.path.join(final, tok_name) if tok_name else None, stats, True)
+
+
+def _check_chat_tokenizer(tok: Tokenizer) -> None:
+    """A --tokenizer for chat data needs a chat template it can render: its own (a
+    chat_template.jinja or tokenizer_config.json's chat_template beside it), or the built-in
+    ChatML one, whose <|im_start|> and <|im_end|> must then be single pieces. Checked now, not
+    when training starts on a dataset prepared for nothing."""
+    try:
+        load_chat_template(tok)
+    except ChatTemplateError as e:
+        missing = [t for t in CHATML_TOKENS if tok.token_id(t) is None]
+        if not missing:
+            raise ValueError(f"--tokenizer {tok.path}: {e}") from None
+        raise ValueError(
+            f"--tokenizer {tok.path} lacks the pieces {', '.join(missing)} that the built-in "
+            f"ChatML chat template needs as single tokens, and has no chat template of its own "
+            f"({CHAT_TEMPLATE_FILE} or chat_template in {HF_CONFIG_FILE} beside it): leave out "
+            f"--tokenizer to train one that has them (--vocab_size N), train yours with them "
+            f"as user-defined symbols, or put a {CHAT_TEMPLATE_FILE} written for its pieces "
+            f"beside it (data.chat_template then overrides it in training)"
+        ) from None
 
 
 def _split_documents(read: Reader, scan: _Scan, chat: bool) -> tfds_text.Generate:

@@ -1,8 +1,8 @@
 """Batch placement: which global rows this process holds, and host rows as sharded arrays.
 
-A batch (moetext.data.batch) is a dict of int32 tokens, segment_ids and positions, each
-[B, S + 1]; `put_batch` turns this process's rows into global arrays on the plan's batch
-sharding, `abstract_batch` describes one for ahead-of-time lowering.
+A batch (moetext.data.batch) is a dict of int32 tokens, segment_ids and positions (and
+loss_mask for chat data), each [B, S + 1]; `put_batch` turns this process's rows into global
+arrays on the plan's batch sharding, `abstract_batch` describes one for ahead-of-time lowering.
 """
 
 from __future__ import annotations
@@ -52,9 +52,11 @@ def put_batch(
 
 
 def abstract_batch(
-    batch_size: int, seq_len: int, sharding: Sharding
+    batch_size: int, seq_len: int, sharding: Sharding, keys: Sequence[str] = KEYS
 ) -> dict[str, jax.ShapeDtypeStruct]:
-    """The batch as ShapeDtypeStructs (int32 [B, S + 1] each) for ahead-of-time lowering."""
+    """The batch as ShapeDtypeStructs (int32 [B, S + 1] each) for ahead-of-time lowering:
+    `keys` those the run's data yields (moetext.data.batch.batch_keys(cfg.data.kind): chat
+    data adds loss_mask)."""
     shape = (batch_size, seq_len + 1)
     # jax: ShapeDtypeStruct.__init__ is unannotated.
-    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in KEYS}  # type: ignore[no-untyped-call]
+    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding) for k in keys}  # type: ignore[no-untyped-call]
