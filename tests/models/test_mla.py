@@ -1,8 +1,8 @@
 """DeepSeek multi-head latent attention against a float64 NumPy reference; YaRN against a
 transcription of transformers' formulas; latent-cache decoding against the uncached forward.
 
-The family folder is not registered yet, so its modules are imported directly (the folder's
-own package; tests may).
+The layer's modules are imported directly (the family folder's own package; tests may); the
+whole decoder is tests/models/test_deepseek_v3.py's.
 
 Tolerances: the layer runs in float32 and the reference in float64 on O(1) activations with
 tiny contractions (at most 32 terms), so float32 rounding is ~1e-6 of the values: 1e-5 max-abs.
