@@ -15,7 +15,8 @@ from tiny_configs import KERNELS, TINY_MOE, tiny
 
 from moetext import models
 from moetext.errors import ConfigError
-from moetext.models.qwen3_moe.model import moe_layer_pattern, segments
+from moetext.models.layers.scan import segments
+from moetext.models.qwen3_moe.model import moe_layer_pattern
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 B, S, V = 2, 8, 128

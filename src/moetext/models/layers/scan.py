@@ -10,7 +10,7 @@ a layer holds the MoE block); consecutive layers of one kind form one run.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -44,13 +44,11 @@ def remat[F: Callable[..., Any]](fn: F, policy: str, *, in_scan: bool) -> F:
     if policy == "none":
         return fn
     if policy == "full":
-        out: F = jax.checkpoint(fn, prevent_cse=not in_scan)
-        return out
+        return cast(F, jax.checkpoint(fn, prevent_cse=not in_scan))
     # Save projection/expert matmuls but not batched dots such as the [B,K,G,S,T] attention
     # scores, which are quadratic in sequence length.
     saver = jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
-    out = jax.checkpoint(fn, policy=saver, prevent_cse=not in_scan)
-    return out
+    return cast(F, jax.checkpoint(fn, policy=saver, prevent_cse=not in_scan))
 
 
 def make_stack[M: nnx.Module](
