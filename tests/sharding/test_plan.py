@@ -185,11 +185,25 @@ def test_fill_axis_that_cannot_divide_is_an_error():
 
 
 def test_axis_size_that_does_not_divide_a_param_dim_names_it(chips8):
-    # Tiny config: 2 kv heads cannot split 4 ways over `tensor`.
+    # Tiny config: 2 kv heads cannot split 4 ways over `tensor`: named by its config field,
+    # before any param is looked at.
     cfg = load("sharding.preset=fsdp_tp", "sharding.mesh.tensor=4")
     msg = (
-        r"param params.layers.0.attn.w_k of shape \(64, 2, 16\): dim 1 "
-        r"\(logical 'kv_heads', size 2\) is not divisible by mesh axis 'tensor' of size 4"
+        r"model.num_kv_heads=2 is not divisible by mesh axis 'tensor' of size 4, which logical "
+        r"axis 'kv_heads' maps to \(preset 'fsdp_tp'"
+    )
+    with pytest.raises(ConfigError, match=msg):
+        program.build(cfg, chips8, abstract=True)
+    # Any other param dim is named by the param: a vocab of 510 rows over 4.
+    cfg = load(
+        "sharding.preset=fsdp_tp",
+        "sharding.mesh.tensor=4",
+        "model.num_kv_heads=4",
+        "model.vocab_size=510",
+    )
+    msg = (
+        r"param params.embed of shape \(510, 64\): dim 0 "
+        r"\(logical 'vocab', size 510\) is not divisible by mesh axis 'tensor' of size 4"
     )
     with pytest.raises(ConfigError, match=msg):
         program.build(cfg, chips8, abstract=True)

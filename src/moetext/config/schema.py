@@ -39,8 +39,9 @@ def _same_tokenizer_path(old: str | None, new: str | None) -> bool:
 @dataclass(frozen=True)
 class ModelConfig:
     family: str = shapes_params("qwen3_moe")
-    """Model family registered in `moetext.models.family` (qwen3_moe, dense); it decides which
-    further model/moe fields exist (its section classes: models/<family>/config.py)."""
+    """Model family registered in `moetext.models.family` (qwen3_moe, dense, deepseek_v3); it
+    decides which further model/moe fields exist (its section classes:
+    models/<family>/config.py)."""
     vocab_size: int = shapes_params(32000)
     """Vocabulary size (embedding rows and LM-head columns)."""
     emb_dim: int = shapes_params(256)
