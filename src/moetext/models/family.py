@@ -192,7 +192,9 @@ class ModelFamily:
     """(model_cfg, moe_cfg, kernels_cfg, rngs) -> nnx.Module following `CausalLM`; params drawn
     from rngs' "params" stream, each carrying its logical axis names."""
     moe_layers: Callable[[ModelConfig], tuple[bool, ...]]
-    """Per layer, True where it holds an MoE block, in the order of aux["expert_load"] rows."""
+    """Per layer, True where it holds an MoE block, in the order of aux["expert_load"] rows.
+    Rows past its MoE layers (DeepSeek-V3's MTP layers, run after the stack in training) are
+    labelled num_layers, num_layers + 1, ... in metrics."""
     count_params: Callable[[ModelConfig, MoEConfig], ParamCounts]
     flops_per_token: Callable[[ModelConfig, MoEConfig, int], float]
     """(model_cfg, moe_cfg, seq_len) -> training FLOPs per token (see models/flops.py)."""
