@@ -329,6 +329,7 @@ class Decoder(nnx.Module):
         depth's layer runs as a stack layer (remat policy, RoPE, segment ids) into acc."""
 
         def run_layer(layer: nnx.Module, x_BSD: jax.Array) -> tuple[jax.Array, Aux]:
+            assert isinstance(layer, DecoderLayer)  # what the MTP depths were built with
             graphdef, state = nnx.split(layer)
             step = _layer_step(graphdef, self.cfg.remat_policy, in_scan=False)
             x_BSD, aux = step(x_BSD, state, cos_BSR, sin_BSR, segment_ids_BS)
