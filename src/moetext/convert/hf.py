@@ -22,6 +22,7 @@ from flax import nnx
 
 from moetext import models
 from moetext.config.schema import Config, KernelsConfig
+from moetext.convert.fp8 import dequantized
 from moetext.convert.safetensors_io import SafetensorsReader
 from moetext.errors import ConfigError
 from moetext.models.hf import HfAdapter, Tensor, TensorSource
@@ -46,10 +47,14 @@ def adapter_for(hf_config: dict[str, Any]) -> HfAdapter:
     return adapter
 
 
-def open_tensors(hf_dir: str | Path, adapter: HfAdapter) -> TensorSource:
-    """The checkpoint's tensors as the adapter's tensor map reads them (memory-mapped, with the
-    family's preprocessing, e.g. dequantized block-scaled weights)."""
-    return adapter.wrap_source(SafetensorsReader(hf_dir))
+def open_tensors(
+    hf_dir: str | Path, adapter: HfAdapter, scratch: Path | None = None
+) -> TensorSource:
+    """The checkpoint's tensors as the adapter's tensor map reads them: memory-mapped, block-
+    scaled FP8 weights dequantized to float32 (convert/fp8.py; into unlinked files under
+    `scratch` when given), then the family's own preprocessing."""
+    source = dequantized(SafetensorsReader(hf_dir), read_config(hf_dir), scratch)
+    return adapter.wrap_source(source)
 
 
 def config_from_hf_dir(hf_dir: str | Path, dtype: str | None = None) -> Config:
@@ -70,8 +75,10 @@ FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 def check_dtype(name: str, part: np.ndarray) -> None:
     """Weights are floating point: anything else is a broken or foreign checkpoint."""
     if part.dtype.name not in FLOAT_DTYPES:
+        fp8 = " (an FP8 checkpoint needs config.json's quantization_config and block scales)"
         raise ConfigError(
             f"tensor {name} has dtype {part.dtype.name}; expected one of {', '.join(FLOAT_DTYPES)}"
+            + (fp8 if part.dtype.name.startswith("float8") else "")
         )
 
 

@@ -151,9 +151,11 @@ def hf_to_orbax(
         raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     refuse_existing(out, overwrite)
     adapter = models.hf_adapter(cfg.model.family)
-    reader = open_tensors(hf_dir, adapter)
-    tensors = adapter.tensor_map(cfg.model, cfg.moe)
-    check_tensors(reader, tensors, cfg.model.tie_embeddings)
+    check_tensors(
+        open_tensors(hf_dir, adapter),
+        adapter.tensor_map(cfg.model, cfg.moe),
+        cfg.model.tie_embeddings,
+    )
     tokenizer = [hf_dir / f for f in TOKENIZER_FILES if (hf_dir / f).exists()]
     if not any(f.name == "tokenizer.json" for f in tokenizer):
         print(
@@ -164,6 +166,9 @@ def hf_to_orbax(
     with staging(out) as stage:
         scratch = stage / "scratch"
         scratch.mkdir()
+        # FP8 weights dequantize into unlinked files there (file pages, not anonymous memory).
+        reader = open_tensors(hf_dir, adapter, scratch)
+        tensors = adapter.tensor_map(cfg.model, cfg.moe)
         items = {"params": abstract_params(cfg), "model_state": initial_model_state(cfg)}
         target = np_dtype(dtype)
         for t in tensors:
