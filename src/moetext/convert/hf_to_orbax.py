@@ -41,8 +41,8 @@ from moetext.checkpoint import shape_mismatches, write_params
 from moetext.config.schema import Config
 from moetext.convert.hf import (
     DTYPES,
-    adapter_for,
     check_tensors,
+    fitted_config,
     open_tensors,
     read_config,
     read_parts,
@@ -66,18 +66,20 @@ def np_dtype(name: str) -> np.dtype[Any]:
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
-def derive_config(hf_dir: str | Path, config_path: str | Path | None) -> Config:
-    """The run config for the checkpoint: from config.json, or `config_path` checked against it."""
-    hf_config = read_config(hf_dir)
-    model_cfg, moe_cfg, _ = adapter_for(hf_config).config_from_hf(hf_config)
+def derive_config(
+    hf_dir: str | Path, config_path: str | Path | None
+) -> tuple[Config, frozenset[str]]:
+    """The run config for the checkpoint: from config.json (fitted to the stored tensors), or
+    `config_path` checked against it; and the stored tensors the conversion leaves out."""
+    _, fitted, _ = fitted_config(hf_dir)
+    from_json = Config(model=fitted.model, moe=fitted.moe)
     if config_path is None:
-        return Config(model=model_cfg, moe=moe_cfg)
+        return from_json, fitted.skip
     cfg = config_lib.load(config_path)
-    from_json = Config(model=model_cfg, moe=moe_cfg)
     bad = shape_mismatches(cfg, from_json, str(config_path), "config.json")
     if bad:
         raise ConfigError(f"{config_path} does not describe {hf_dir}: " + "; ".join(bad))
-    return cfg
+    return cfg, fitted.skip
 
 
 def _unscanned(cfg: Config) -> Config:
@@ -144,7 +146,7 @@ def hf_to_orbax(
 ) -> Config:
     """Converts; returns the config written to OUT/config.yml."""
     hf_dir, out = Path(hf_dir), Path(out)
-    cfg = derive_config(hf_dir, config_path)
+    cfg, skip = derive_config(hf_dir, config_path)
     stored = hf_dtype(read_config(hf_dir))
     dtype = dtype or stored
     if dtype not in DTYPES:
@@ -155,6 +157,7 @@ def hf_to_orbax(
         open_tensors(hf_dir, adapter),
         adapter.tensor_map(cfg.model, cfg.moe),
         cfg.model.tie_embeddings,
+        skip,
     )
     tokenizer = [hf_dir / f for f in TOKENIZER_FILES if (hf_dir / f).exists()]
     if not any(f.name == "tokenizer.json" for f in tokenizer):
