@@ -21,6 +21,10 @@ the released spelling (rope_scaling type yarn, rope_theta, torch_dtype, topk_met
 scoring_func, moe_layer_freq, quantization_config). Its logits are transformers' (float32) on
 the dequantized weights.
 
+`deepseek_v3_moonlight/`: Moonlight-16B-A3B's variant of the architecture: no query low-rank
+path (q_lora_rank null: one q_proj), plain RoPE, two shared experts, no expert groups,
+rms_norm_eps 1e-5, no MTP layer; float32, config.json in the released spelling.
+
 Each has input_ids.npy [2, 12] (int32) and logits.npy [2, 12, V] (float32, eager attention).
 """
 
@@ -72,6 +76,22 @@ CONFIG: dict[str, Any] = dict(
     ),
     tie_word_embeddings=False,
 )
+# Moonlight-16B-A3B's variant: no query low-rank path (q_proj), plain RoPE, two shared experts,
+# no expert groups, rms_norm_eps 1e-5, no MTP layer; released spelling, float32.
+MOONLIGHT: dict[str, Any] = {
+    **CONFIG,
+    "num_hidden_layers": 2,
+    "n_routed_experts": 4,
+    "n_shared_experts": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "q_lora_rank": None,
+    "rms_norm_eps": 1e-5,
+    "routed_scaling_factor": 2.446,
+    "max_position_embeddings": 8192,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
+    "num_nextn_predict_layers": 0,
+}
 BLOCK = (4, 6)
 # What DeepSeek's releases store as FP8 (the rest: embedding, head, norms, router, bias).
 QUANTIZED = (
@@ -171,14 +191,14 @@ def dequantize(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return q.to(torch.float32) * full
 
 
-def released_spelling(cfg: dict) -> dict:
+def released_spelling(cfg: dict, quantized: bool = True) -> dict:
     """config.json as DeepSeek-V3's release spells it (transformers 4.33 + remote code)."""
     cfg = dict(cfg)
     rope = cfg.pop("rope_parameters")
     cfg["rope_theta"] = rope.pop("rope_theta")
-    rope.pop("rope_type")
-    cfg["rope_scaling"] = {"type": "yarn", **rope}
-    cfg["torch_dtype"] = "bfloat16"
+    kind = rope.pop("rope_type")
+    cfg["rope_scaling"] = {"type": kind, **rope} if kind != "default" else None
+    cfg["torch_dtype"] = "bfloat16" if quantized else cfg["dtype"]
     cfg.pop("dtype", None)
     for key in ("head_dim", "qk_head_dim", "rope_interleave", "output_router_logits"):
         cfg.pop(key, None)
@@ -189,13 +209,14 @@ def released_spelling(cfg: dict) -> dict:
         aux_loss_alpha=0.001,
         seq_aux=True,
         ep_size=1,
-        quantization_config={
+    )
+    if quantized:
+        cfg["quantization_config"] = {
             "activation_scheme": "dynamic",
             "fmt": "e4m3",
             "quant_method": "fp8",
             "weight_block_size": list(BLOCK),
-        },
-    )
+        }
     return dict(sorted(cfg.items()))
 
 
@@ -206,8 +227,23 @@ def _fresh(d: Path) -> Path:
     return d
 
 
+def make_moonlight_style(out: Path, ids: np.ndarray) -> None:
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**MOONLIGHT, attn_implementation="eager"))
+    _randomize(model, 16)
+    d = _fresh(out / "deepseek_v3_moonlight")
+    with tempfile.TemporaryDirectory() as tmp:
+        tensors = _saved(model, Path(tmp))
+        cfg_json = json.loads((Path(tmp) / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(released_spelling(cfg_json, False), indent=2) + "\n")
+    _write(d, tensors)
+    np.save(d / "input_ids.npy", ids)
+    np.save(d / "logits.npy", _logits(model, ids).astype(np.float32))
+    _report(d)
+
+
 def make_deepseek_fixtures(out: Path) -> None:
     ids = np.random.default_rng(0).integers(0, CONFIG["vocab_size"], size=(2, 12)).astype(np.int32)
+    make_moonlight_style(out, ids)
     torch.manual_seed(30)
     model = DeepseekV3ForCausalLM(DeepseekV3Config(**CONFIG, attn_implementation="eager"))
     _randomize(model, 30)
