@@ -21,7 +21,7 @@ import pytest
 import yaml
 from flax import nnx
 from model_state_family import CountingLM
-from tiny_configs import KERNELS, TINY_MOE, tiny
+from tiny_configs import KERNELS, TINY_MOE, tiny, tiny_deepseek
 
 from fake_devices import running
 from moetext import config, models, program, train
@@ -194,8 +194,10 @@ def test_toy_family_is_registered_and_built_by_name():
         (tiny(scan_layers=True), set()),
         (tiny(family="dense"), {"layers"}),
         (tiny(family="toy_parallel"), set()),
+        (tiny_deepseek(), {"layers"}),  # dense, MoE, MoE; MLA with q_lora
+        (tiny_deepseek(scan_layers=True, q_lora_rank=None), {"q_lora"}),  # Moonlight's q
     ],
-    ids=["qwen3_moe", "qwen3_moe-scan", "dense", "toy_parallel"],
+    ids=["qwen3_moe", "qwen3_moe-scan", "dense", "toy_parallel", "deepseek_v3", "deepseek_v3-scan"],
 )
 def test_declared_counts_and_logical_axes_are_the_built_models(m, unused):
     family = models.get_family(m.family)

@@ -23,6 +23,7 @@ from flax import nnx
 from moetext.models.deepseek_v3 import rope
 from moetext.models.deepseek_v3.mla import MLA, MLAConfig
 from moetext.models.layers import attention
+from moetext.sharding.rules import available_presets, load_preset
 
 SHAPES = dict(emb_dim=32, num_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8)
 # Blends the ramp at R = 8: correction range (1, 3); attention factor != 1 (mscale differ).
@@ -306,10 +307,14 @@ def test_gradients_reach_every_parameter_and_axes_are_preset_names():
         assert np.all(np.isfinite(g)) and np.abs(g).max() > 0, path
     # Every logical name is one the shipped sharding presets map (None: replicated).
     specs = nnx.get_partition_spec(nnx.state(layer))
-    assert tuple(specs["w_q_b"].get_value()) == (None, "heads", "head_dim")
-    assert tuple(specs["w_kv_b"].get_value()) == (None, "heads", "head_dim")
+    assert tuple(specs["w_q_a"].get_value()) == ("embed", "q_lora")
+    assert tuple(specs["w_q_b"].get_value()) == ("q_lora", "heads", "head_dim")
+    assert tuple(specs["w_kv_a"].get_value()) == ("embed", "kv_lora")
+    assert tuple(specs["w_kv_b"].get_value()) == ("kv_lora", "heads", "head_dim")
     assert tuple(specs["w_o"].get_value()) == ("heads", "head_dim", "embed")
-    known = {"embed", "heads", "head_dim", "norm", None}
+    known = {"embed", "heads", "head_dim", "q_lora", "kv_lora", "norm", None}
+    for preset in available_presets():  # every shipped preset maps them
+        assert known - {None} <= {name for name, _ in load_preset(preset).rules}, preset
     leaves = jax.tree.leaves(specs, is_leaf=lambda v: isinstance(v, nnx.Variable))
     assert len(leaves) == 7  # q_a, q_a_norm, q_b, kv_a, kv_a_norm, kv_b, o
     for leaf in leaves:

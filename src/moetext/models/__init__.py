@@ -26,6 +26,7 @@ from moetext.models.layers.params import ModelState
 
 # The built-in families: each registers itself on import (one line per family).
 from moetext.models import qwen3_moe  # noqa: E402, F401  isort: skip
+from moetext.models import deepseek_v3  # noqa: E402, F401  isort: skip
 
 __all__ = [
     "CacheArray",

@@ -66,6 +66,12 @@ def build(
     family = models.get_family(cfg.model.family)
     # Before anything is traced: one error naming the family if the preset misses an axis.
     plan.check_names(sorted(family.logical_axes), f"model family {family.name!r}")
+    for field, value, name in (
+        ("model.num_heads", cfg.model.num_heads, "heads"),
+        ("model.num_kv_heads", cfg.model.num_kv_heads, "kv_heads"),
+    ):
+        if name in family.logical_axes:
+            plan.check_divides(field, value, name)
     tx = optim.build(
         cfg.optim, cfg.train.steps, freeze=cfg.train.freeze, param_names=param_names(cfg)
     )

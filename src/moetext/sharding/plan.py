@@ -70,6 +70,20 @@ class Plan:
         """ConfigError for a logical name without a rule in the preset (`where` names its user)."""
         check_covered(names, self.preset, where)
 
+    def check_divides(self, field: str, value: int, name: str) -> None:
+        """ConfigError when the mesh axes logical `name` maps to do not divide config `field`
+        (e.g. model.num_heads over "heads"): one line naming both, before any param's shape
+        does."""
+        axes = self.spec((name,))[0]
+        shards = _axes_size(self.mesh, axes)
+        if value % shards:
+            sizes = " x ".join(f"sharding.mesh.{a}" for a in logical.as_axes(axes))
+            raise ConfigError(
+                f"{field}={value} is not divisible by mesh axis {axes!r} of size {shards}, "
+                f"which logical axis {name!r} maps to (preset {self.preset.name!r}, mesh "
+                f"{dict(self.mesh.shape)}); pick {sizes} dividing {value}"
+            )
+
     def shardings_for(self, tree: Any) -> Any:
         """A NamedSharding per leaf of `tree` (arrays or ShapeDtypeStructs, nnx Variables
         allowed), same structure; checks every logical name and every divisibility first."""

@@ -32,14 +32,14 @@ from moetext.models.layers.norms import RMSNorm
 from moetext.models.layers.params import as_dtype, make_param, normal
 from moetext.models.layers.project import project
 
-# Logical axes. The low-rank dims (Q, C, C + R) have no logical name of their own yet: they
-# stay replicated (a q_lora / kv_lora rule mapping them to fsdp, as MaxText does, is the
-# family's to add with its sharding presets).
-Q_A_NAMES = ("embed", None)
-Q_B_NAMES = (None, "heads", "head_dim")
+# Logical axes. The low-rank dims Q (q_lora) and C, C + R (kv_lora) have names of their own;
+# the presets map them to fsdp as MaxText does: a down-projection's embed takes fsdp first, so
+# it is the up-projections (q_b, kv_b) that shard their rank dim.
+Q_A_NAMES = ("embed", "q_lora")
+Q_B_NAMES = ("q_lora", "heads", "head_dim")
 Q_NAMES = ("embed", "heads", "head_dim")
-KV_A_NAMES = ("embed", None)
-KV_B_NAMES = (None, "heads", "head_dim")
+KV_A_NAMES = ("embed", "kv_lora")
+KV_B_NAMES = ("kv_lora", "heads", "head_dim")
 O_NAMES = ("heads", "head_dim", "embed")
 
 

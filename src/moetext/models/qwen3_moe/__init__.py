@@ -17,17 +17,11 @@ from moetext.config.families import as_family_class
 from moetext.config.schema import KernelsConfig, ModelConfig, MoEConfig
 from moetext.models.family import ModelFamily, ParamCounts, register_family
 from moetext.models.hf import HfAdapter
+from moetext.models.layers.scan import stack_layers, stacked_path, unstack_layers
 from moetext.models.qwen3_moe.config import QwenModelConfig, QwenMoEConfig, qwen_sections
 from moetext.models.qwen3_moe.flops import decoder_flops_per_token, decoder_param_counts
 from moetext.models.qwen3_moe.hf import HF
-from moetext.models.qwen3_moe.model import (
-    Decoder,
-    decode_cache,
-    moe_layer_pattern,
-    stack_layers,
-    stacked_path,
-    unstack_layers,
-)
+from moetext.models.qwen3_moe.model import Decoder, decode_cache, moe_layer_pattern
 
 # Params: embedding/head, attention, norms, dense MLP, router, experts; "layers" is the stacked
 # axis of scan_layers; activations: batch, length, embed, vocab (logits).

@@ -20,13 +20,13 @@ from flax import nnx
 from moetext.config.schema import KernelsConfig, ModelConfig
 from moetext.kernels.gmm import Gmm
 from moetext.models.family import CacheArray, zeros_cache
-from moetext.models.hf import ParamPath
 from moetext.models.layers.attention import Attention, KVCache
 from moetext.models.layers.mlp import SwiGLU
 from moetext.models.layers.norms import RMSNorm
 from moetext.models.layers.params import as_dtype, make_param, normal
 from moetext.models.layers.rope import rope_cos_sin
 from moetext.models.layers.rowdot import dot_rows
+from moetext.models.layers.scan import check_remat_policy, make_stack, remat, segments
 from moetext.models.moe.block import MoEBlock, zero_aux
 from moetext.models.moe.experts import gmm_from_config
 from moetext.models.moe.layers import AuxAccumulator, for_each_moe_block
@@ -41,7 +41,6 @@ LayerState = nnx.State[Any, Any]
 LayerStep = Callable[
     [jax.Array, LayerState, jax.Array, jax.Array, jax.Array | None], tuple[jax.Array, Aux]
 ]
-REMAT_POLICIES = ("none", "full", "save_dots")
 
 
 def moe_layer_pattern(cfg: QwenModelConfig) -> tuple[bool, ...]:
@@ -60,17 +59,6 @@ def decode_cache(cfg: ModelConfig, batch: int, length: int) -> list[Any]:
     shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
     kv: Any = CacheArray(shape, cfg.dtype, ("batch", None, "kv_heads", "head_dim"))
     return [KVCache(kv, kv) for _ in range(cfg.num_layers)]
-
-
-def segments(pattern: Sequence[bool]) -> tuple[tuple[bool, int], ...]:
-    """Runs of consecutive layers of one kind: ((is_moe, count), ...) in layer order."""
-    runs: list[tuple[bool, int]] = []
-    for is_moe in pattern:
-        if runs and runs[-1][0] == bool(is_moe):
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((bool(is_moe), 1))
-    return tuple(runs)
 
 
 class DecoderLayer(nnx.Module):
@@ -155,18 +143,6 @@ class DecoderLayer(nnx.Module):
         return h_BSD + y_BSD, cache
 
 
-def _remat(fn: LayerStep, policy: str, *, in_scan: bool) -> LayerStep:
-    # Inside scan the loop already separates iterations, so CSE prevention only costs speed.
-    if policy == "none":
-        return fn
-    if policy == "full":
-        return jax.checkpoint(fn, prevent_cse=not in_scan)
-    # Save projection/expert matmuls but not batched dots such as the [B,K,G,S,T] attention
-    # scores, which are quadratic in sequence length.
-    saver = jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
-    return jax.checkpoint(fn, policy=saver, prevent_cse=not in_scan)
-
-
 def _layer_step(graphdef: nnx.GraphDef[DecoderLayer], policy: str, *, in_scan: bool) -> LayerStep:
     def step(
         x_BSD: jax.Array,
@@ -178,7 +154,7 @@ def _layer_step(graphdef: nnx.GraphDef[DecoderLayer], policy: str, *, in_scan: b
         layer: DecoderLayer = nnx.merge(graphdef, state)
         return layer(x_BSD, cos_BSH, sin_BSH, segment_ids_BS)
 
-    return _remat(step, policy, in_scan=in_scan)
+    return remat(step, policy, in_scan=in_scan)
 
 
 class Decoder(nnx.Module):
@@ -236,7 +212,7 @@ class Decoder(nnx.Module):
             stacks, start = [], 0
             for use_moe, count in self.segments:
                 keys = [jax.random.fold_in(base_key, i) for i in range(start, start + count)]
-                stacks.append(_make_stack(make_layer, use_moe, jnp.stack(keys)))
+                stacks.append(make_stack(make_layer, use_moe, jnp.stack(keys)))
                 start += count
             self.stacks = nnx.List(stacks)
         else:
@@ -402,24 +378,8 @@ class Decoder(nnx.Module):
         return x_BSD, acc.result()
 
 
-def _make_stack(
-    make_layer: Callable[[bool, jax.Array], DecoderLayer], use_moe: bool, keys: jax.Array
-) -> DecoderLayer:
-    """One layer per key, with params stacked on a leading "layers" axis."""
-    create: Callable[[jax.Array], DecoderLayer] = nnx.vmap(
-        lambda key: make_layer(use_moe, key),
-        in_axes=0,
-        out_axes=0,
-        transform_metadata={nnx.PARTITION_NAME: "layers"},
-    )
-    return create(keys)
-
-
 def _check_model_config(cfg: QwenModelConfig) -> None:
-    if cfg.remat_policy not in REMAT_POLICIES:
-        raise ValueError(
-            f"unknown remat_policy {cfg.remat_policy!r}; valid: {', '.join(REMAT_POLICIES)}"
-        )
+    check_remat_policy(cfg.remat_policy)
     dims = {
         "vocab_size": cfg.vocab_size,
         "emb_dim": cfg.emb_dim,
@@ -435,46 +395,3 @@ def _check_model_config(cfg: QwenModelConfig) -> None:
     bad_only = [i for i in cfg.mlp_only_layers if not 0 <= i < cfg.num_layers]
     if bad_only:
         raise ValueError(f"mlp_only_layers {bad_only} out of range for {cfg.num_layers} layers")
-
-
-def stack_layers(params: dict[str, Any], pattern: Sequence[bool]) -> dict[str, Any]:
-    """An unscanned Decoder's param tree ("layers": {i: layer}) in the scan_layers layout
-    ("stacks": {j: layers of run j stacked on a leading axis}); other entries unchanged.
-    Works on nested dicts of arrays (jnp.stack: call it under jit to place the result). A tree
-    holding some layers only (the model state: MoE layers' routers) keeps the runs it has."""
-    layers = params["layers"]
-    out = {k: v for k, v in params.items() if k != "layers"}
-    stacks, start = {}, 0
-    for j, (_, count) in enumerate(segments(pattern)):
-        run = [layers[i] for i in range(start, start + count) if i in layers]
-        if run:
-            stacks[j] = jax.tree.map(lambda *xs: jnp.stack(xs), *run)
-        start += count
-    out["stacks"] = stacks
-    return out
-
-
-def stacked_path(path: ParamPath, pattern: Sequence[bool]) -> tuple[ParamPath, int | None]:
-    """Where the unscanned param `path` lives in the scan_layers layout: (path in "stacks",
-    index along the stacked axis), or (path, None) outside the layer stack."""
-    if path[0] != "layers":
-        return path, None
-    i, start = int(path[1]), 0
-    for j, (_, count) in enumerate(segments(pattern)):
-        if i < start + count:
-            return ("stacks", j, *path[2:]), i - start
-        start += count
-    raise ValueError(f"layer {i} is outside the {len(pattern)} layers")
-
-
-def unstack_layers(params: dict[str, Any], pattern: Sequence[bool]) -> dict[str, Any]:
-    """The inverse of `stack_layers`."""
-    out = {k: v for k, v in params.items() if k != "stacks"}
-    layers, start = {}, 0
-    for j, (_, count) in enumerate(segments(pattern)):
-        for k in range(count):
-            if j in params["stacks"]:
-                layers[start + k] = jax.tree.map(lambda x, k=k: x[k], params["stacks"][j])
-        start += count
-    out["layers"] = layers
-    return out
