@@ -266,6 +266,7 @@ def test_fine_tune_from_converted_then_export_the_scanned_run(tmp_path):
         f"checkpoint.load_params_from={converted}",
         "model.scan_layers=true",
         "moe.bias_update_rate=0.01",
+        "optim.warmup_steps=0",
         "kernels.gmm_backend=reference",
         "data.seq_len=16",
         "data.global_batch_size=4",
