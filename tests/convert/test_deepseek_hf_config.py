@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from moetext.errors import ConfigError
@@ -254,3 +255,16 @@ def test_mtp_layers_fit_what_the_checkpoint_stores():
         "model.layers.61.embed_tokens.weight",
         "model.layers.61.shared_head.head.weight",
     }
+
+
+def test_unset_yarn_mscale_keeps_transformers_attention_factor():
+    # transformers: cos/sin x mscale(factor, mscale) / mscale(factor, mscale_all_dim) only when
+    # both are set, else x mscale(factor, 1) = 0.1 ln(40) + 1.
+    from moetext.models.deepseek_v3.rope import yarn_attention_factor
+
+    no_mscale = {k: v for k, v in YARN.items() if k != "mscale"}
+    m, _, _ = config_from_hf({**DEEPSEEK_V3, "rope_scaling": no_mscale})
+    assert m.yarn is not None
+    assert yarn_attention_factor(m.yarn) == pytest.approx(0.1 * np.log(40) + 1, rel=1e-12)
+    m, _, _ = config_from_hf(DEEPSEEK_V3)  # mscale = mscale_all_dim = 1: the ratio, 1
+    assert m.yarn is not None and yarn_attention_factor(m.yarn) == 1.0

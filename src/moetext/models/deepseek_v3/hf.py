@@ -44,14 +44,6 @@ RELEASED_ROUTING = {
     "scoring_func": ("sigmoid", "DeepSeek-V2 scores by softmax"),
     "moe_layer_freq": (1, "every layer after first_k_dense_replace is MoE"),
 }
-YARN_KEYS = {
-    "factor",
-    "original_max_position_embeddings",
-    "beta_fast",
-    "beta_slow",
-    "mscale",
-    "mscale_all_dim",
-}
 
 
 # --- config.json ------------------------------------------------------------------------------
@@ -124,7 +116,8 @@ def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
         yarn_original_max_position_embeddings=int(original),
         yarn_beta_fast=float(rope.get("beta_fast") or 32.0),
         yarn_beta_slow=float(rope.get("beta_slow") or 1.0),
-        yarn_mscale=float(rope.get("mscale") or 1.0),
+        # Unset is 0 for both, as in transformers: mscale counts only beside mscale_all_dim.
+        yarn_mscale=float(rope.get("mscale") or 0.0),
         yarn_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
     )
     return out
