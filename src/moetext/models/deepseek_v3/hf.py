@@ -136,9 +136,9 @@ def config_from_hf(hf: Mapping[str, Any]) -> tuple[DeepSeekModelConfig, MoEConfi
         emb_dim=int(_need(hf, "hidden_size")),
         num_layers=int(_need(hf, "num_hidden_layers")),
         num_heads=heads,
-        # MLA reads neither: one key/value head per query head; head_dim as transformers sets it.
+        # MLA reads neither: one key/value head per query head, as the family's configs write;
+        # head_dim stays at its default, as they leave it (MLA's head dims are its own fields).
         num_kv_heads=heads,
-        head_dim=int(_need(hf, "qk_rope_head_dim")),
         mlp_dim=int(_need(hf, "intermediate_size")),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
