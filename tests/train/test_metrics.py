@@ -91,6 +91,26 @@ def test_tensorboard_gets_every_scalar_and_the_expert_load(tmp_path):
     np.testing.assert_allclose(h.bucket_limit, [0.5, 1.5, 2.5, 3.5])
 
 
+def test_rows_past_the_moe_layers_are_the_layers_after_the_stack(tmp_path):
+    """A DeepSeek-V3 step with multi-token prediction: its MTP layer's row follows the stack's
+    MoE layers (HF numbers it model.layers.{num_layers}); mtp_loss is a scalar like any other,
+    in metrics.jsonl and TensorBoard."""
+    log = metrics_lib.MetricsLog(
+        str(tmp_path), 10, 0, False, tensorboard=True, moe_pattern=(False, True, True)
+    )
+    load = np.array([[0.25] * 4, [0.7, 0.1, 0.1, 0.1], [0.4, 0.4, 0.1, 0.1]], np.float32)
+    log.write({"step": 10, "loss": 2.0, "mtp_loss": 2.5, "extra_loss": 0.75, "expert_load": load})
+    log.close()
+    row = _rows(tmp_path)[-1]
+    assert {k for k in row if k.startswith("expert_imbalance/")} == {
+        f"expert_imbalance/layer_{i}" for i in (1, 2, 3)
+    }
+    assert row["expert_imbalance/layer_3"] == pytest.approx(1.6)
+    scalars = _values(_events(tmp_path), "simple_value")
+    assert scalars[("mtp_loss", 10)] == pytest.approx(2.5)
+    assert scalars[("extra_loss", 10)] == pytest.approx(0.75)
+
+
 def test_resumed_tensorboard_purges_replayed_steps(tmp_path):
     log = metrics_lib.MetricsLog(str(tmp_path), 20, 0, False, tensorboard=True)
     log.write({"step": 10, "loss": 2.0})

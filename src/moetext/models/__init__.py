@@ -6,12 +6,16 @@ layers/ and moe/ are the building blocks families share.
 """
 
 from moetext.models.family import (
+    EXTRA_LOSS_KEY,
     CacheArray,
     CausalLM,
     HiddenStatesLM,
+    LossTargets,
     ModelFamily,
     ModelStateLM,
     ParamCounts,
+    TargetsLM,
+    added_loss,
     available_families,
     build,
     check_names,
@@ -29,13 +33,17 @@ from moetext.models import qwen3_moe  # noqa: E402, F401  isort: skip
 from moetext.models import deepseek_v3  # noqa: E402, F401  isort: skip
 
 __all__ = [
+    "EXTRA_LOSS_KEY",
     "CacheArray",
     "CausalLM",
     "HiddenStatesLM",
+    "LossTargets",
     "ModelFamily",
     "ModelState",
     "ModelStateLM",
     "ParamCounts",
+    "TargetsLM",
+    "added_loss",
     "available_families",
     "build",
     "check_names",

@@ -49,12 +49,28 @@ class ParamCounts(TypedDict):
     """The token embedding table."""
 
 
+EXTRA_LOSS_KEY = "extra_loss"
+"""aux key of a model's weighted loss terms beyond moe_loss (DeepSeek-V3: mtp_loss_weight x
+mtp_loss), a float32 scalar the trainer adds to the loss like moe_loss; absent means 0."""
+
+
+def added_loss(aux: dict[str, jax.Array]) -> jax.Array:
+    """What the trainer adds to the CE from a model's aux: moe_loss + extra_loss (if any), both
+    already weighted by the model, so the trainer never reads a model's loss weights."""
+    moe_loss = aux["moe_loss"]
+    return moe_loss + aux[EXTRA_LOSS_KEY] if EXTRA_LOSS_KEY in aux else moe_loss
+
+
 class CausalLM(Protocol):
     """What a family's `build` returns: the trainer, evaluation and decoding call only this.
 
     logits_BSV float32; aux holds float32 scalars moe_loss (weighted, added to the loss),
     load_balance_loss, router_z_loss, dropped_fraction and, with MoE layers, expert_load
-    [num_moe_layers, E] (see models/moe/block.py: AUX_KEYS, LOAD_KEY)."""
+    [num_moe_layers, E] (see models/moe/block.py: AUX_KEYS, LOAD_KEY). A model with more loss
+    terms adds them, weighted, as aux[EXTRA_LOSS_KEY] ("extra_loss"), and their unweighted
+    values under their own names for logging (mtp_loss): the trainer's loss (train and eval) is
+    ce + `added_loss(aux)` = ce + moe_loss + extra_loss. Every scalar of aux is a metric (JSONL,
+    TensorBoard); with gradient accumulation each is the mean over the micro-batches."""
 
     def __call__(
         self,
@@ -87,6 +103,39 @@ class HiddenStatesLM(CausalLM, Protocol):
     ) -> tuple[jax.Array, dict[str, jax.Array]]: ...
 
     def head_VD(self) -> jax.Array: ...
+
+
+# (h_BSD in the compute dtype, head_VD, targets_BS, mask_BS) -> (nll_sum, count), float32.
+NllFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+
+
+@dataclasses.dataclass(frozen=True)
+class LossTargets:
+    """What the trainer's loss hands a `TargetsLM`'s training forward: the batch's next-token
+    targets, which targets count, and the trainer's LM-head loss to score more heads with."""
+
+    targets_BS: jax.Array
+    """int32 [B, S]: the token after each input position (the batch's tokens[:, 1:])."""
+    mask_BS: jax.Array
+    """bool [B, S]: the targets the CE counts (data.batch.target_mask: not padding, same
+    document as their input token, marked in a chat batch's loss_mask)."""
+    nll: NllFn
+    """The trainer's masked NLL of hidden states under an LM head: the fused, vocab-chunked
+    loss (program/loss.py) when the model's loss_chunk_size > 0, else through the logits."""
+
+
+@runtime_checkable
+class TargetsLM(CausalLM, Protocol):
+    """A CausalLM whose training loss needs the targets beyond the main next-token CE (optional;
+    DeepSeek-V3's multi-token prediction).
+
+    When reads_targets is True, the trainer's loss (train and eval steps) calls `__call__` or
+    `hidden_states` with the keyword `targets=LossTargets(...)`; the model then adds its extra
+    terms to aux (EXTRA_LOSS_KEY weighted, their unweighted values by name). Without targets
+    (decoding, logits for tests) it runs as a plain CausalLM."""
+
+    @property
+    def reads_targets(self) -> bool: ...
 
 
 @runtime_checkable
@@ -143,7 +192,9 @@ class ModelFamily:
     """(model_cfg, moe_cfg, kernels_cfg, rngs) -> nnx.Module following `CausalLM`; params drawn
     from rngs' "params" stream, each carrying its logical axis names."""
     moe_layers: Callable[[ModelConfig], tuple[bool, ...]]
-    """Per layer, True where it holds an MoE block, in the order of aux["expert_load"] rows."""
+    """Per layer, True where it holds an MoE block, in the order of aux["expert_load"] rows.
+    Rows past its MoE layers (DeepSeek-V3's MTP layers, run after the stack in training) are
+    labelled num_layers, num_layers + 1, ... in metrics."""
     count_params: Callable[[ModelConfig, MoEConfig], ParamCounts]
     flops_per_token: Callable[[ModelConfig, MoEConfig, int], float]
     """(model_cfg, moe_cfg, seq_len) -> training FLOPs per token (see models/flops.py)."""

@@ -4,6 +4,7 @@ Legend: B batch, S sequence, T tokens (B * S), D emb_dim, V vocab, N vocab chunk
 per chunk (N * C >= V).
 
     nll_sum, count = masked_nll(logits_BSV, targets_BS, mask_BS)          # the logits path
+    nll_sum, count = logits_masked_nll(h_BSD, head_VD, targets_BS, mask_BS)  # the same, from h
     nll_sum, count = fused_masked_nll(h_BSD, head_VD, targets_BS, mask_BS, chunk_size=2048)
 
 `fused_masked_nll` takes the final hidden states (after the final norm) and the LM head's
@@ -64,6 +65,17 @@ def masked_nll(
     nll_BS = -jnp.take_along_axis(logp_BSV, targets_BS[..., None], axis=-1)[..., 0]
     mask_BS = mask_BS.astype(F32)
     return jnp.sum(nll_BS * mask_BS), jnp.sum(mask_BS)
+
+
+def logits_masked_nll(
+    h_BSD: jax.Array, head_VD: jax.Array, targets_BS: jax.Array, mask_BS: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """masked_nll of the logits h_BSD @ head_VD.T formed whole, as a model's `__call__` forms
+    them (the head cast to h's compute dtype, logits rounded to it): the logits path's NLL for
+    more heads of one model (multi-token prediction, models.LossTargets)."""
+    logits_BSV = jnp.einsum("bsd,vd->bsv", h_BSD, head_VD.astype(h_BSD.dtype))
+    logits_BSV = constrain(logits_BSV.astype(F32), ("batch", "length", "vocab"))
+    return masked_nll(logits_BSV, targets_BS, mask_BS)
 
 
 def fused_masked_nll(

@@ -9,6 +9,7 @@ tokens[:, 1:].
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -19,8 +20,15 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from moetext.data.batch import target_mask
-from moetext.models import HiddenStatesLM, ModelState, ModelStateLM
-from moetext.program.loss import fused_masked_nll, masked_nll
+from moetext.models import (
+    HiddenStatesLM,
+    LossTargets,
+    ModelState,
+    ModelStateLM,
+    TargetsLM,
+    added_loss,
+)
+from moetext.program.loss import fused_masked_nll, logits_masked_nll, masked_nll
 from moetext.program.state import TrainState
 
 Batch = dict[str, jax.Array]
@@ -40,12 +48,16 @@ Losses = tuple[jax.Array, jax.Array, dict[str, jax.Array]]
 
 
 def make_loss_fn(graphdef: nnx.GraphDef[Any], rest: nnx.State[Any, Any]) -> LossFn:
-    """loss_fn(params, batch, model_state=None) -> (ce + moe_loss, (ce, aux, nll_sum, count)).
+    """loss_fn(params, batch, model_state=None) -> (ce + added_loss(aux), (ce, aux, nll_sum,
+    count)).
 
     ce is the mean NLL over the counted targets: not padding, and in the same segment as their
     input token (a document's first token is not predicted from the previous document). A model
     with hidden states (models.HiddenStatesLM) and loss_chunk_size > 0 gets the fused,
     vocab-chunked LM head + cross-entropy (program/loss.py); any other the full logits.
+    added_loss(aux) (models/family.py) is the model's weighted moe_loss plus its extra_loss, if
+    any: a model reading targets (models.TargetsLM, e.g. multi-token prediction) gets them and
+    the same NLL function as the main loss (models.LossTargets) and weighs its own terms.
     Differentiated with respect to params only (argument 0): model_state (the model's
     ModelState variables, required when it has any) is read, never a gradient's.
     """
@@ -56,21 +68,27 @@ def make_loss_fn(graphdef: nnx.GraphDef[Any], rest: nnx.State[Any, Any]) -> Loss
         states = (params, rest) if model_state is None else (params, model_state, rest)
         model = nnx.merge(graphdef, *states)
         tokens_BS1, seg_BS1 = batch["tokens"], batch["segment_ids"]
-        inputs = {
+        inputs: dict[str, Any] = {
             "positions_BS": batch["positions"][:, :-1],
             "segment_ids_BS": seg_BS1[:, :-1],
         }
         targets_BS, mask_BS = tokens_BS1[:, 1:], target_mask(batch)
-        if isinstance(model, HiddenStatesLM) and model.loss_chunk_size > 0:
+        chunk = model.loss_chunk_size if isinstance(model, HiddenStatesLM) else 0
+        if isinstance(model, TargetsLM) and model.reads_targets:
+            nll = logits_masked_nll
+            if chunk > 0:
+                nll = functools.partial(fused_masked_nll, chunk_size=chunk)
+            inputs["targets"] = LossTargets(targets_BS, mask_BS, nll)
+        if isinstance(model, HiddenStatesLM) and chunk > 0:
             h_BSD, aux = model.hidden_states(tokens_BS1[:, :-1], **inputs)
             nll_sum, count = fused_masked_nll(
-                h_BSD, model.head_VD(), targets_BS, mask_BS, chunk_size=model.loss_chunk_size
+                h_BSD, model.head_VD(), targets_BS, mask_BS, chunk_size=chunk
             )
         else:
             logits_BSV, aux = model(tokens_BS1[:, :-1], **inputs)
             nll_sum, count = masked_nll(logits_BSV, targets_BS, mask_BS)
         ce = nll_sum / jnp.maximum(count, 1.0)
-        return ce + aux["moe_loss"], (ce, aux, nll_sum, count)
+        return ce + added_loss(aux), (ce, aux, nll_sum, count)
 
     return loss_fn
 
@@ -209,14 +227,16 @@ def accumulated_value_and_grad(
     """jax.value_and_grad(loss_fn, has_aux=True) of the whole batch, computed as a lax.scan
     over n micro-batches of B / n rows: one micro-batch's activations live at a time.
 
-    Micro-batch i's loss is nll_sum_i / C + moe_loss_i / n, with C the counted targets of the
+    Micro-batch i's loss is nll_sum_i / C + added_loss_i / n, with C the counted targets of the
     whole batch, so the micro-batch losses sum to the whole batch's CE exactly (micro-batches
-    with more padding weigh less, as their targets do in the unsplit mean) plus the MoE aux
-    losses averaged over micro-batches (each is a per-micro-batch statistic, as in MaxText; not
-    equal to the whole batch's). ce and nll_sum/count are the whole batch's; the model's aux
-    outputs (moe_loss, expert_load, ...) are the mean over micro-batches, but counts (keys
-    ending in _counts: expert_counts) their sum, the whole batch's. Gradients accumulate
-    in float32 (or wider params' dtype) and come back in the params' dtype.
+    with more padding weigh less, as their targets do in the unsplit mean) plus the model's
+    added losses (moe_loss, extra_loss) averaged over micro-batches (each is a per-micro-batch
+    statistic, as in MaxText and Megatron-Core; equal to the whole batch's when every
+    micro-batch counts as many of its targets, e.g. an MTP depth's over unpadded rows).
+    ce and nll_sum/count are the whole batch's; the model's aux outputs (moe_loss, mtp_loss,
+    expert_load, ...) are the mean over micro-batches, but counts (keys ending in _counts:
+    expert_counts) their sum, the whole batch's. Gradients accumulate in float32 (or wider
+    params' dtype) and come back in the params' dtype.
 
     accumulate (`make_accumulate`): the model state each micro-batch sees is the one the
     previous micro-batches left (a router's global-batch load buffer); without it every
@@ -227,7 +247,7 @@ def accumulated_value_and_grad(
         params: Params, micro: Batch, total: jax.Array, model_state: ModelStates
     ) -> tuple[jax.Array, tuple[dict[str, jax.Array], jax.Array]]:
         _, (_, aux, nll_sum, _) = loss_fn(params, micro, model_state)
-        return nll_sum / total + aux["moe_loss"] / n, (aux, nll_sum)
+        return nll_sum / total + added_loss(aux) / n, (aux, nll_sum)
 
     micro_grad = jax.value_and_grad(micro_loss, has_aux=True)
 
@@ -265,7 +285,7 @@ def accumulated_value_and_grad(
         }
         nll_sum = jnp.sum(nll_sums)
         ce = nll_sum / total
-        return (ce + aux["moe_loss"], (ce, aux, nll_sum, count)), grads
+        return (ce + added_loss(aux), (ce, aux, nll_sum, count)), grads
 
     return value_and_grad
 
@@ -302,20 +322,20 @@ def make_eval_step(
     micro_batches: int = 1,
     batch_sharding: NamedSharding | None = None,
 ) -> Callable[[Params, Batch, ModelStates], Metrics]:
-    """eval_step(params, batch, model_state=None): eval_loss (ce + moe_loss) and eval_ce_loss
-    of the batch, and eval_nll_sum / eval_tokens for a token-weighted CE (perplexity) across
-    batches.
+    """eval_step(params, batch, model_state=None): eval_loss (ce + added_loss: moe_loss and the
+    model's extra_loss, as the train step's loss) and eval_ce_loss of the batch, and
+    eval_nll_sum / eval_tokens for a token-weighted CE (perplexity) across batches.
 
     micro_batches N > 1 (train.grad_accum_steps) evaluates the batch as a lax.scan over N
     micro-batches split like the train step's, so eval fits wherever a train micro-batch does:
-    nll_sum and tokens are summed (ce is the whole batch's), moe_loss is the micro-batches'
-    mean, as in the accumulated train step."""
+    nll_sum and tokens are summed (ce is the whole batch's), the added loss is the
+    micro-batches' mean, as in the accumulated train step."""
     loss_fn = make_loss_fn(graphdef, rest)
 
-    def metrics(nll_sum: jax.Array, count: jax.Array, moe_loss: jax.Array) -> Metrics:
+    def metrics(nll_sum: jax.Array, count: jax.Array, extra: jax.Array) -> Metrics:
         ce = nll_sum / jnp.maximum(count, 1.0)
         return {
-            "eval_loss": ce + moe_loss,
+            "eval_loss": ce + extra,
             "eval_ce_loss": ce,
             "eval_nll_sum": nll_sum,
             "eval_tokens": count,
@@ -324,14 +344,14 @@ def make_eval_step(
     def eval_step(params: Params, batch: Batch, model_state: ModelStates = None) -> Metrics:
         if micro_batches == 1:
             _, (_, aux, nll_sum, count) = loss_fn(params, batch, model_state)
-            return metrics(nll_sum, count, aux["moe_loss"])
+            return metrics(nll_sum, count, added_loss(aux))
         micro = {k: split_micro_batches(v, micro_batches, batch_sharding) for k, v in batch.items()}
 
         def body(carry: None, mb: Batch) -> tuple[None, tuple[jax.Array, ...]]:
             _, (_, aux, nll_sum, count) = loss_fn(params, mb, model_state)
-            return carry, (nll_sum, count, aux["moe_loss"])
+            return carry, (nll_sum, count, added_loss(aux))
 
-        _, (nll_sums, counts, moe_losses) = jax.lax.scan(body, None, micro)
-        return metrics(jnp.sum(nll_sums), jnp.sum(counts), jnp.mean(moe_losses))
+        _, (nll_sums, counts, extras) = jax.lax.scan(body, None, micro)
+        return metrics(jnp.sum(nll_sums), jnp.sum(counts), jnp.mean(extras))
 
     return eval_step

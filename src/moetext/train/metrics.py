@@ -72,7 +72,8 @@ class MetricsLog:
 
     A row's per-layer arrays (expert_load, expert_counts, selection_bias, ... [num_moe_layers,
     ...]) become per-layer scalars (`per_layer_scalars`; i: the decoder layer, from
-    moe_pattern) in metrics.jsonl and TensorBoard, and TensorBoard histograms of the expert
+    moe_pattern; rows past its MoE layers, such as MTP layers', numbered on from its length) in
+    metrics.jsonl and TensorBoard, and TensorBoard histograms of the expert
     load and the selection bias. On start, rows after start_step left by an interrupted run are
     dropped, so a resumed run's file reads as one run.
     """
@@ -89,6 +90,7 @@ class MetricsLog:
     ):
         self.path = epath.Path(run_dir) / "metrics.jsonl"
         self._layer_ids = [i for i, is_moe in enumerate(moe_pattern) if is_moe]
+        self._num_layers = len(moe_pattern)
         self._tb: TensorBoardSink | None = None
         self._file: _Appender | None = None
         if jax.process_index() == 0:
@@ -110,6 +112,16 @@ class MetricsLog:
                 file=sys.stderr,
             )
 
+    def _row_layers(self, n: int) -> list[int]:
+        """The decoder layer of each of n per-layer rows: the pattern's MoE layers, then rows
+        past them numbered on from num_layers (layers a model runs after its stack, such as
+        DeepSeek-V3's MTP layers, HF model.layers.{num_layers + k - 1}); 0..n-1 without a
+        pattern that fits."""
+        extra = n - len(self._layer_ids)
+        if not self._layer_ids or extra < 0:
+            return list(range(n))
+        return self._layer_ids + list(range(self._num_layers, self._num_layers + extra))
+
     def advance(self, n: int = 1) -> None:
         if self._bar is not None:
             self._bar.update(n)
@@ -128,8 +140,7 @@ class MetricsLog:
         record = {k: v for k, v in record.items() if k not in arrays}
         layer_ids: list[int] = []
         if arrays:
-            n = len(next(iter(arrays.values())))
-            layer_ids = self._layer_ids if len(self._layer_ids) == n else list(range(n))
+            layer_ids = self._row_layers(len(next(iter(arrays.values()))))
         layer_scalars = per_layer_scalars(arrays, layer_ids)
         shown = dict(record)
         record.update(layer_scalars)

@@ -39,11 +39,13 @@ def param_counts(c: DeepSeekModelConfig, moe: MoEConfig) -> ParamCounts:
     layers += n_moe * (moe_common + moe.num_experts * expert)
     embedding = c.vocab_size * d
     head = 0 if c.tie_embeddings else d * c.vocab_size
-    # Seam for multi-token prediction: its modules (model.mtp_layers) add their parameters
-    # here once the decoder builds them (0 while model.mtp_layers must be 0).
-    mtp = 0
+    # Multi-token prediction (mtp.py), per depth: enorm, hnorm, shared_head.norm, eh_proj
+    # [2D, D] and one MoE decoder layer; the embedding and head are the model's (shared).
+    mtp_layer = mla_params(c) + 2 * d + moe_common + moe.num_experts * expert
+    mtp = c.mtp_layers * (3 * d + 2 * d * d + mtp_layer)
     total = embedding + head + d + layers + mtp  # d: the final norm
-    inactive = n_moe * (moe.num_experts - moe.num_experts_per_tok) * expert
+    # MTP layers count as active (a training token runs them; decoding does not).
+    inactive = (n_moe + c.mtp_layers) * (moe.num_experts - moe.num_experts_per_tok) * expert
     return {"total": total, "active": total - inactive, "embedding": embedding}
 
 
@@ -56,6 +58,10 @@ def mla_attention_flops(c: DeepSeekModelConfig, seq_len: int) -> float:
 
 
 def flops_per_token(c: DeepSeekModelConfig, moe: MoEConfig, seq_len: int) -> float:
-    """6 * active non-embedding params + MLA's attention term. The MTP modules' FLOPs (one
-    decoder layer, eh_proj and the shared head per depth) join here with model.mtp_layers."""
-    return six_n_plus_attention(param_counts(c, moe), c, mla_attention_flops(c, seq_len))
+    """6 * active non-embedding params + MLA's attention term, MTP included: its params are in
+    the active count, and per depth it adds one layer's attention term and a second use of the
+    shared head (6 * D * V: the head's params are counted once)."""
+    attention = mla_attention_flops(c, seq_len)
+    attention += attention / c.num_layers * c.mtp_layers  # one MLA layer per depth
+    mtp_head = 6 * c.mtp_layers * c.emb_dim * c.vocab_size
+    return six_n_plus_attention(param_counts(c, moe), c, attention) + mtp_head

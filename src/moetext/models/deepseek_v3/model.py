@@ -12,7 +12,9 @@ of a scanned stack.
 The MoE layers are the shared models/moe/block.py MoEBlock, so every gmm backend, quantization
 recipe, dispatch mode and expert-parallel layout works as for Qwen3. With scan_layers the dense
 prefix and the MoE layers are two scanned stacks (layers/scan.py). Multi-token prediction
-(model.mtp_layers) is not built here yet: a config asking for it is refused.
+(model.mtp_layers > 0, mtp.py) runs after the stack in the training forward only, when the
+trainer's loss passes `targets` (models.TargetsLM): decoding and plain calls skip it; its params
+are the model's like any other (checkpoints, conversion).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from moetext.kernels.gmm import Gmm
 from moetext.models.deepseek_v3 import rope
 from moetext.models.deepseek_v3.config import DeepSeekModelConfig
 from moetext.models.deepseek_v3.mla import MLA, MLACache, MLAConfig
-from moetext.models.family import CacheArray, zeros_cache
+from moetext.models.deepseek_v3.mtp import MTP
+from moetext.models.family import CacheArray, LossTargets, zeros_cache
 from moetext.models.layers.mlp import SwiGLU
 from moetext.models.layers.norms import RMSNorm
 from moetext.models.layers.params import as_dtype, make_param, normal
@@ -38,7 +41,7 @@ from moetext.models.layers.rowdot import dot_rows
 from moetext.models.layers.scan import check_remat_policy, make_stack, remat, segments
 from moetext.models.moe.block import MoEBlock, zero_aux
 from moetext.models.moe.experts import gmm_from_config
-from moetext.models.moe.layers import AuxAccumulator, for_each_moe_block
+from moetext.models.moe.layers import AuxAccumulator, for_each_moe_block, per_layer
 from moetext.models.moe.routers import build_router
 from moetext.sharding.logical import constrain
 
@@ -241,6 +244,19 @@ class Decoder(nnx.Module):
             self.lm_head = make_param(
                 rngs, init, (cfg.vocab_size, cfg.emb_dim), ("vocab", "embed"), pdt
             )
+        if cfg.mtp_layers > 0:
+            # Depth k's layer is HF's layer num_layers + k - 1, an MoE layer, drawn from the key
+            # that layer index would have in the stack.
+            self.mtp = MTP(
+                cfg.mtp_layers,
+                cfg.emb_dim,
+                lambda k: make_layer(True, jax.random.fold_in(base_key, cfg.num_layers + k - 1)),
+                weight=cfg.mtp_loss_weight,
+                eps=cfg.rms_norm_eps,
+                init_std=cfg.init_std,
+                param_dtype=pdt,
+                rngs=rngs,
+            )
 
     def __call__(
         self,
@@ -248,9 +264,10 @@ class Decoder(nnx.Module):
         *,
         positions_BS: jax.Array | None = None,
         segment_ids_BS: jax.Array | None = None,
+        targets: LossTargets | None = None,
     ) -> tuple[jax.Array, Aux]:
         x_BSD, aux = self.hidden_states(
-            tokens_BS, positions_BS=positions_BS, segment_ids_BS=segment_ids_BS
+            tokens_BS, positions_BS=positions_BS, segment_ids_BS=segment_ids_BS, targets=targets
         )
         # Logits in the compute dtype, upcast after (as the Qwen3 decoder; the training loss
         # skips this einsum unless model.loss_chunk_size = 0).
@@ -264,9 +281,13 @@ class Decoder(nnx.Module):
         *,
         positions_BS: jax.Array | None = None,
         segment_ids_BS: jax.Array | None = None,
+        targets: LossTargets | None = None,
     ) -> tuple[jax.Array, Aux]:
         """`__call__` up to the LM head: (the final norm's output x_BSD in the compute dtype,
-        aux); the logits are x_BSD @ head_VD().T."""
+        aux); the logits are x_BSD @ head_VD().T. With targets (the trainer's loss) and MTP
+        modules, aux also holds mtp_loss and extra_loss (mtp_loss_weight x mtp_loss), and the
+        MTP layers' MoE aux joins the stack's (scalars averaged over all MoE layers, their
+        per-layer rows after the stack's)."""
         if tokens_BS.ndim != 2 or not jnp.issubdtype(tokens_BS.dtype, jnp.integer):
             raise ValueError(
                 f"tokens must be integer [B, S], got {tokens_BS.dtype}{tokens_BS.shape}"
@@ -282,8 +303,43 @@ class Decoder(nnx.Module):
             )
         cos_BSR, sin_BSR = self.cos_sin(positions_BS)
         x_BSD = self.embed_tokens(tokens_BS)
-        x_BSD, aux = self._run_layers(x_BSD, cos_BSR, sin_BSR, segment_ids_BS)
-        return self.final_norm(x_BSD), aux
+        mtp = targets is not None and self.reads_targets
+        acc = AuxAccumulator(self.num_moe_layers + (self.cfg.mtp_layers if mtp else 0))
+        x_BSD = self._run_layers(x_BSD, cos_BSR, sin_BSR, segment_ids_BS, acc)
+        mtp_aux: Aux = {}
+        if targets is not None and mtp:
+            mtp_aux = self._run_mtp(x_BSD, targets, cos_BSR, sin_BSR, segment_ids_BS, acc)
+        return self.final_norm(x_BSD), {**acc.result(), **mtp_aux}
+
+    @property
+    def reads_targets(self) -> bool:
+        """models.TargetsLM: the training loss passes targets when there are MTP modules."""
+        return self.cfg.mtp_layers > 0
+
+    def _run_mtp(
+        self,
+        h0_BSD: jax.Array,
+        targets: LossTargets,
+        cos_BSR: jax.Array,
+        sin_BSR: jax.Array,
+        segment_ids_BS: jax.Array | None,
+        acc: AuxAccumulator,
+    ) -> Aux:
+        """The MTP depths on the stack's output before the final norm -> their loss terms; each
+        depth's layer runs as a stack layer (remat policy, RoPE, segment ids) into acc."""
+
+        def run_layer(layer: nnx.Module, x_BSD: jax.Array) -> tuple[jax.Array, Aux]:
+            assert isinstance(layer, DecoderLayer)  # what the MTP depths were built with
+            graphdef, state = nnx.split(layer)
+            step = _layer_step(graphdef, self.cfg.remat_policy, in_scan=False)
+            x_BSD, aux = step(x_BSD, state, cos_BSR, sin_BSR, segment_ids_BS)
+            acc.add_layer(aux)
+            return x_BSD, aux
+
+        mtp_aux, _ = self.mtp(
+            h0_BSD, self.embed[...], self.head_VD(), targets, segment_ids_BS, run_layer
+        )
+        return mtp_aux
 
     def embed_tokens(self, tokens_BS: jax.Array) -> jax.Array:
         """The embedding rows of tokens_BS in the compute dtype [B, S, D]."""
@@ -296,17 +352,25 @@ class Decoder(nnx.Module):
     def update_model_state(self, aux: Aux) -> None:
         """After an optimizer step: each MoE block updates its router's state from its rows of
         the step's aux (the aux-loss-free selection bias)."""
-        for_each_moe_block(self._moe_groups(), aux, "update_state")
+        for_each_moe_block(self._moe_groups(aux), aux, "update_state")
 
     def accumulate_model_state(self, aux: Aux) -> None:
         """After one micro-batch of an accumulated step (e.g. the global-batch load buffer)."""
-        for_each_moe_block(self._moe_groups(), aux, "accumulate_state")
+        for_each_moe_block(self._moe_groups(aux), aux, "accumulate_state")
 
-    def _moe_groups(self) -> list[tuple[nnx.Module, int, bool]]:
+    def _moe_groups(self, aux: Aux) -> list[tuple[nnx.Module, int, bool]]:
+        """The MoE blocks with rows in aux: the stack's, then the MTP layers' when aux came
+        from a training forward that ran them."""
+        groups: list[tuple[nnx.Module, int, bool]]
         if self.cfg.scan_layers:
             runs = zip(self.stacks, self.segments, strict=True)
-            return [(stack, count, True) for stack, (is_moe, count) in runs if is_moe]
-        return [(layer, 1, False) for layer in self.layers if layer.use_moe]
+            groups = [(stack, count, True) for stack, (is_moe, count) in runs if is_moe]
+        else:
+            groups = [(layer, 1, False) for layer in self.layers if layer.use_moe]
+        rows = [len(v) for v in per_layer(aux).values()]
+        if self.reads_targets and rows and rows[0] > self.num_moe_layers:
+            groups += [(depth.layer, 1, False) for depth in self.mtp.depths]
+        return groups
 
     def head_VD(self) -> jax.Array:
         """The LM head's weight [V, D] in the param dtype (the embedding when tied)."""
@@ -366,10 +430,10 @@ class Decoder(nnx.Module):
         cos_BSR: jax.Array,
         sin_BSR: jax.Array,
         segment_ids_BS: jax.Array | None,
-    ) -> tuple[jax.Array, Aux]:
-        """-> (x_BSD, the model's aux: see the class docstring)."""
+        acc: AuxAccumulator,
+    ) -> jax.Array:
+        """-> x_BSD; each layer's aux goes into acc (the model's aux: see the class docstring)."""
         policy = self.cfg.remat_policy
-        acc = AuxAccumulator(self.num_moe_layers)
         if self.cfg.scan_layers:
             for stack in self.stacks:
                 graphdef, state = nnx.split(stack)
@@ -389,17 +453,12 @@ class Decoder(nnx.Module):
                     x_BSD, state, cos_BSR, sin_BSR, segment_ids_BS
                 )
                 acc.add_layer(aux)
-        return x_BSD, acc.result()
+        return x_BSD
 
 
 def check_model_config(cfg: DeepSeekModelConfig) -> None:
     """What this decoder cannot build yet, and dims the config classes leave unchecked."""
     check_remat_policy(cfg.remat_policy)
-    if cfg.mtp_layers > 0:
-        raise ConfigError(
-            f"model.mtp_layers={cfg.mtp_layers}: multi-token prediction is not implemented in "
-            "this build of the deepseek_v3 decoder yet; set model.mtp_layers=0"
-        )
     dims = {
         "vocab_size": cfg.vocab_size,
         "emb_dim": cfg.emb_dim,
