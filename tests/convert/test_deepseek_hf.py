@@ -6,7 +6,6 @@ selection bias travel; bad checkpoints fail in one line naming the tensor."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 import subprocess
@@ -22,7 +21,7 @@ from flax import nnx
 from moetext import models
 from moetext.checkpoint import LeafReader
 from moetext.config.schema import KernelsConfig
-from moetext.convert.hf import config_from_hf_dir, load_model
+from moetext.convert.hf import load_model
 from moetext.convert.hf_to_orbax import hf_to_orbax
 from moetext.convert.orbax_to_hf import orbax_to_hf
 from moetext.convert.safetensors_io import SafetensorsReader, write
@@ -42,12 +41,6 @@ REFERENCE = KernelsConfig(gmm_backend="reference")
 def _tensors(d: Path) -> dict[str, np.ndarray]:
     r = SafetensorsReader(d)
     return {n: np.asarray(r.get(n)) for n in r.names()}
-
-
-def _builds_mtp() -> bool:
-    """Whether this moetext's deepseek_v3 decoder builds the MTP layer (else conversion leaves
-    it out with a warning: models/deepseek_v3/hf.py fit_config)."""
-    return deepseek_model(config_from_hf_dir(T5).model).mtp_layers == 1
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -74,13 +67,24 @@ def test_float32_logits_match_transformers(d):
     assert (p * (_log_softmax(want) - _log_softmax(got))).sum(-1).mean() <= 1e-6
 
 
-def test_selection_bias_is_e_score_correction_bias():
-    _, model = load_model(T5, kernels=REFERENCE)
+def test_selection_bias_and_mtp_layer_are_the_hf_tensors():
+    cfg, model = load_model(T5, kernels=REFERENCE)
     hf = _tensors(T5)
-    for i in (1, 2):  # layer 0 is dense
+    routers = [model.layers[1].mlp.router, model.layers[2].mlp.router]  # layer 0 is dense
+    routers.append(model.mtp.depths[0].layer.mlp.router)  # the MTP layer: HF layer 3
+    for i, router in zip((1, 2, 3), routers, strict=True):
         bias = hf[f"model.layers.{i}.mlp.gate.e_score_correction_bias"]
         assert np.abs(bias).max() > 0.05  # the fixture's bias is non-zero
-        np.testing.assert_array_equal(model.layers[i].mlp.router.selection_bias[...], bias)
+        np.testing.assert_array_equal(router.selection_bias[...], bias)
+    assert deepseek_model(cfg.model).mtp_layers == 1
+    depth = model.mtp.depths[0]
+    # eh_proj: HF [D, 2D] (out, in) is moetext's [2D, D] transposed, the embedding's rows first.
+    np.testing.assert_array_equal(depth.eh_proj[...], hf[f"{MTP}eh_proj.weight"].T)
+    np.testing.assert_array_equal(depth.enorm.scale[...], hf[f"{MTP}enorm.weight"])
+    np.testing.assert_array_equal(depth.hnorm.scale[...], hf[f"{MTP}hnorm.weight"])
+    np.testing.assert_array_equal(
+        depth.shared_head.norm.scale[...], hf[f"{MTP}shared_head.norm.weight"]
+    )
 
 
 @pytest.mark.parametrize("src", [T5, MOON], ids=["t5", "moonlight"])
@@ -90,16 +94,12 @@ def test_hf_orbax_hf_is_bit_exact(tmp_path, capsys, src):
     assert files[-1].name == "model.safetensors.index.json"
     a, b = _tensors(src), _tensors(tmp_path / "hf")
     mtp = sorted(n for n in a if n.startswith(MTP))
+    m = deepseek_model(cfg.model)
     if src == MOON:
-        assert not mtp and cfg.model.mtp_layers == 0 and cfg.model.q_lora_rank is None
-    else:
-        assert len(mtp) > 20 and f"{MTP}embed_tokens.weight" in mtp
-    if src == T5 and _builds_mtp():
-        assert cfg.model.mtp_layers == 1
-    elif src == T5:  # converted with MTP off and a warning naming the left-out layer
-        assert cfg.model.mtp_layers == 0
-        assert "builds no MTP modules yet" in capsys.readouterr().err
-        a = {n: x for n, x in a.items() if n not in mtp}
+        assert not mtp and m.mtp_layers == 0 and m.q_lora_rank is None
+    else:  # the MTP layer, its copies of the embedding and head included, travels both ways
+        assert len(mtp) > 20 and f"{MTP}embed_tokens.weight" in mtp and m.mtp_layers == 1
+    assert "warning: config.json" not in capsys.readouterr().err
     assert sorted(a) == sorted(b)
     for n in a:
         assert a[n].dtype == b[n].dtype and a[n].shape == b[n].shape, n
@@ -110,10 +110,7 @@ def test_hf_orbax_hf_is_bit_exact(tmp_path, capsys, src):
     src_cfg = json.loads((src / "config.json").read_text())
     out_cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert "rope_scaling" in out_cfg and "torch_dtype" in out_cfg  # the released spelling
-    want = config_from_hf(src_cfg)
-    if src == T5 and not _builds_mtp():
-        want = (dataclasses.replace(want[0], mtp_layers=0), *want[1:])
-    assert config_from_hf(out_cfg) == want
+    assert config_from_hf(out_cfg) == config_from_hf(src_cfg)
 
 
 def _oracle(w: np.ndarray, s: np.ndarray) -> np.ndarray:
@@ -130,8 +127,9 @@ def test_fp8_weights_convert_to_the_float64_oracle(tmp_path, dtype):
     hf_to_orbax(FP8, tmp_path / "ckpt", dtype=None if dtype == "bfloat16" else dtype)
     orbax_to_hf(tmp_path / "ckpt", tmp_path / "hf")
     src, out = _tensors(FP8), _tensors(tmp_path / "hf")
-    scaled = [n for n in src if n + "_scale_inv" in src and not n.startswith(MTP)]
-    assert len(scaled) > 40 and not any(n.endswith("_scale_inv") for n in out)
+    scaled = [n for n in src if n + "_scale_inv" in src]
+    assert len(scaled) > 40 and f"{MTP}eh_proj.weight" in scaled
+    assert not any(n.endswith("_scale_inv") for n in out)
     target = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
     for n in scaled:
         assert src[n].dtype == ml_dtypes.float8_e4m3fn
@@ -220,9 +218,6 @@ def test_cli_errors_are_one_line(tmp_path):
 
 
 def test_mtp_copies_must_equal_the_main_tensors(tmp_path):
-    if not _builds_mtp():
-        pytest.skip("this decoder builds no MTP layer: conversion leaves it out unread")
-
     def change(t):
         t[f"{MTP}shared_head.head.weight"] = t[f"{MTP}shared_head.head.weight"] * 2
 
@@ -255,12 +250,13 @@ def test_checkpoint_without_mtp_converts_with_mtp_off_and_a_warning(tmp_path, ca
 @pytest.mark.slow
 def test_fine_tune_from_converted_then_export_the_scanned_run(tmp_path):
     # A run starts from the converted checkpoint (scan_layers: the dense prefix and the MoE
-    # layers restacked), trains with the aux-loss-free bias update on, and its own checkpoint
-    # exports: the HF weights and e_score_correction_bias are the trained ones.
+    # layers restacked; the MTP layer beside them), trains with MTP and the aux-loss-free bias
+    # update on, and its own checkpoint exports: the HF weights, the MTP layer and every
+    # e_score_correction_bias are the trained ones.
     from moetext import checkpoint, config, program, train
 
     converted = tmp_path / "converted"
-    hf_to_orbax(MOON, converted)
+    hf_to_orbax(T5, converted)
     run = tmp_path / "run"
     overrides = [
         f"checkpoint.load_params_from={converted}",
@@ -279,10 +275,17 @@ def test_fine_tune_from_converted_then_export_the_scanned_run(tmp_path):
     ]
     train.run(config.load(converted / "config.yml", overrides))
     orbax_to_hf(run / "checkpoints" / "1", tmp_path / "hf")
-    out, start = _tensors(tmp_path / "hf"), _tensors(MOON)
+    out, start = _tensors(tmp_path / "hf"), _tensors(T5)
     assert sorted(out) == sorted(start)
-    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
-    assert not np.array_equal(out[bias], start[bias])  # the update moved it
+    for bias in (
+        "model.layers.1.mlp.gate.e_score_correction_bias",
+        f"{MTP}mlp.gate.e_score_correction_bias",
+    ):
+        assert not np.array_equal(out[bias], start[bias])  # the update moved it
+    for name in (f"{MTP}embed_tokens.weight", f"{MTP}shared_head.head.weight"):  # the copies
+        main = "model.embed_tokens.weight" if "embed" in name else "lm_head.weight"
+        np.testing.assert_array_equal(out[name], out[main])
+    assert not np.array_equal(out[f"{MTP}eh_proj.weight"], start[f"{MTP}eh_proj.weight"])
     unscanned = config.load(converted / "config.yml", ["model.scan_layers=false"])
     plan = program.make_plan(unscanned)
     trained = checkpoint.load_params(

@@ -238,11 +238,14 @@ def test_mtp_layers_fit_what_the_checkpoint_stores():
     main = [n for t in tensor_map(dataclasses.replace(m, mtp_layers=0), moe) for n in t.hf_names]
     # transformers saves no MTP layer though its config.json announces one: MTP off, a warning.
     fitted = fit_config(m, moe, main)
-    assert fitted.model.mtp_layers == 0 and not fitted.skip
+    assert fitted.model.mtp_layers == 0
     assert fitted.warnings == (
         "config.json num_nextn_predict_layers=1 but the checkpoint stores no MTP layer "
         "(model.layers.61.*): converting with model.mtp_layers=0",
     )
+    # A checkpoint that stores it keeps it, without a word.
+    stored = fit_config(m, moe, [*main, "model.layers.61.eh_proj.weight"])
+    assert stored.model.mtp_layers == 1 and not stored.warnings
     # The MTP layer's tensors, as released, are listed after the decoder's, with the copies.
     mtp = [t for t in tensor_map(m, moe) if t.path[0] == "mtp"]
     names = {n for t in mtp for n in t.hf_names}

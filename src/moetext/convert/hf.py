@@ -71,20 +71,16 @@ def fitted_config(hf_dir: str | Path) -> tuple[HfAdapter, Fitted, str]:
     return adapter, fitted, stored
 
 
-def _config(hf_dir: str | Path, dtype: str | None) -> tuple[Config, frozenset[str]]:
+def config_from_hf_dir(hf_dir: str | Path, dtype: str | None = None) -> Config:
+    """A moetext Config for the checkpoint (model and moe from config.json, fitted to what the
+    safetensors hold; other sections at their defaults). dtype sets param_dtype and compute
+    dtype (default: the stored dtype)."""
     _, fitted, stored = fitted_config(hf_dir)
     dtype = dtype or stored
     if dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     model_cfg = dataclasses.replace(fitted.model, param_dtype=dtype, dtype=dtype)  # type: ignore[arg-type]
-    return Config(model=model_cfg, moe=fitted.moe), fitted.skip
-
-
-def config_from_hf_dir(hf_dir: str | Path, dtype: str | None = None) -> Config:
-    """A moetext Config for the checkpoint (model and moe from config.json, fitted to what the
-    safetensors hold; other sections at their defaults). dtype sets param_dtype and compute
-    dtype (default: the stored dtype)."""
-    return _config(hf_dir, dtype)[0]
+    return Config(model=model_cfg, moe=fitted.moe)
 
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
@@ -136,13 +132,11 @@ def _equal(a: np.ndarray, b: np.ndarray, rows: int = 4096) -> bool:
     )
 
 
-def check_tensors(
-    reader: TensorSource, tensors: list[Tensor], tied: bool, skip: frozenset[str] = frozenset()
-) -> None:
-    """Every tensor the model needs is there and nothing else is (named either way); `skip`:
-    stored tensors left out on purpose (`HfAdapter.fit_config`)."""
+def check_tensors(reader: TensorSource, tensors: list[Tensor], tied: bool) -> None:
+    """Every tensor the model needs (and every stored copy of one) is there and nothing else is
+    (named either way)."""
     want = {n for t in tensors for n in (*t.hf_names, *t.copies)}
-    have = set(reader.names()) - skip
+    have = set(reader.names())
     if tied:
         have.discard("lm_head.weight")  # some writers keep the tied head; it is the embedding
     missing, extra = sorted(want - have), sorted(have - want)
@@ -162,13 +156,13 @@ def load_model(
 ) -> tuple[Config, nnx.Module]:
     """(config, model) with the checkpoint's weights; dtype sets param and compute dtype.
     The model is its family's, unscanned: model(tokens_BS) -> (logits_BSV, aux)."""
-    cfg, skip = _config(hf_dir, dtype)
+    cfg = config_from_hf_dir(hf_dir, dtype)
     if kernels is not None:
         cfg = dataclasses.replace(cfg, kernels=kernels)
     adapter = models.hf_adapter(cfg.model.family)
     reader = open_tensors(hf_dir, adapter)
     tensors = adapter.tensor_map(cfg.model, cfg.moe)
-    check_tensors(reader, tensors, cfg.model.tie_embeddings, skip)
+    check_tensors(reader, tensors, cfg.model.tie_embeddings)
     abstract = nnx.eval_shape(
         lambda: models.build(cfg.model, cfg.moe, cfg.kernels, rngs=nnx.Rngs(params=0))
     )

@@ -66,20 +66,18 @@ def np_dtype(name: str) -> np.dtype[Any]:
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
-def derive_config(
-    hf_dir: str | Path, config_path: str | Path | None
-) -> tuple[Config, frozenset[str]]:
+def derive_config(hf_dir: str | Path, config_path: str | Path | None) -> Config:
     """The run config for the checkpoint: from config.json (fitted to the stored tensors), or
-    `config_path` checked against it; and the stored tensors the conversion leaves out."""
+    `config_path` checked against it."""
     _, fitted, _ = fitted_config(hf_dir)
     from_json = Config(model=fitted.model, moe=fitted.moe)
     if config_path is None:
-        return from_json, fitted.skip
+        return from_json
     cfg = config_lib.load(config_path)
     bad = shape_mismatches(cfg, from_json, str(config_path), "config.json")
     if bad:
         raise ConfigError(f"{config_path} does not describe {hf_dir}: " + "; ".join(bad))
-    return cfg, fitted.skip
+    return cfg
 
 
 def _unscanned(cfg: Config) -> Config:
@@ -146,7 +144,7 @@ def hf_to_orbax(
 ) -> Config:
     """Converts; returns the config written to OUT/config.yml."""
     hf_dir, out = Path(hf_dir), Path(out)
-    cfg, skip = derive_config(hf_dir, config_path)
+    cfg = derive_config(hf_dir, config_path)
     stored = hf_dtype(read_config(hf_dir))
     dtype = dtype or stored
     if dtype not in DTYPES:
@@ -157,7 +155,6 @@ def hf_to_orbax(
         open_tensors(hf_dir, adapter),
         adapter.tensor_map(cfg.model, cfg.moe),
         cfg.model.tie_embeddings,
-        skip,
     )
     tokenizer = [hf_dir / f for f in TOKENIZER_FILES if (hf_dir / f).exists()]
     if not any(f.name == "tokenizer.json" for f in tokenizer):

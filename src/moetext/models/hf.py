@@ -118,8 +118,6 @@ class Fitted:
 
     model: ModelConfig
     moe: MoEConfig
-    skip: frozenset[str] = frozenset()
-    """Stored tensors conversion leaves out (not in the tensor map, not unexpected either)."""
     warnings: tuple[str, ...] = ()
     """One line each, printed by the converter (e.g. a part of the checkpoint left out)."""
 

@@ -349,44 +349,20 @@ def tensor_map(m: DeepSeekModelConfig, moe: MoEConfig) -> list[Tensor]:
     return out
 
 
-def _builds_mtp(m: DeepSeekModelConfig) -> bool:
-    """Whether the family's decoder builds MTP modules (its check refuses model.mtp_layers > 0
-    while it does not)."""
-    import importlib
-
-    decoder = importlib.import_module("moetext.models.deepseek_v3.model")
-    try:
-        decoder.check_model_config(m)
-    except ConfigError as e:
-        if "mtp_layers" in str(e):
-            return False
-    return True
-
-
 def fit_config(model: ModelConfig, moe: MoEConfig, names: Collection[str]) -> Fitted:
     """MTP as the checkpoint stores it: config.json's num_nextn_predict_layers with no
     `model.layers.{num_hidden_layers}.*` tensors (what transformers saves, its model has no MTP
     weights) converts with model.mtp_layers 0 and a warning."""
     m = deepseek_model(model)
-    if m.mtp_layers == 0:
-        return Fitted(m, moe)
     prefix = mtp_prefix(m, 0)
-    stored = sorted(n for n in names if n.startswith(prefix + "."))
+    if m.mtp_layers == 0 or any(n.startswith(prefix + ".") for n in names):
+        return Fitted(m, moe)
+    why = (
+        f"config.json num_nextn_predict_layers={m.mtp_layers} but the checkpoint stores no MTP "
+        f"layer ({prefix}.*)"
+    )
     off = dataclasses.replace(m, mtp_layers=0)
-    announced = f"config.json num_nextn_predict_layers={m.mtp_layers}"
-    if not stored:
-        why = f"{announced} but the checkpoint stores no MTP layer ({prefix}.*)"
-        return Fitted(off, moe, warnings=(f"{why}: converting with model.mtp_layers=0",))
-    if not _builds_mtp(m):
-        mtp = frozenset(
-            n for n in names for k in range(m.mtp_layers) if n.startswith(mtp_prefix(m, k) + ".")
-        )
-        why = (
-            f"{announced}: moetext's deepseek_v3 decoder builds no MTP modules yet, so the "
-            f"{len(mtp)} MTP tensors ({prefix}.*) are left out"
-        )
-        return Fitted(off, moe, skip=mtp, warnings=(f"{why}: converting with model.mtp_layers=0",))
-    return Fitted(m, moe)
+    return Fitted(off, moe, warnings=(f"{why}: converting with model.mtp_layers=0",))
 
 
 def _config_to_hf(m: ModelConfig, moe: MoEConfig, dtype: str) -> dict[str, Any]:
