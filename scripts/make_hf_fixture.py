@@ -1,9 +1,12 @@
-"""Writes the Hugging Face Qwen3-MoE fixtures of tests/convert/ (run by hand, not by CI).
+"""Writes the Hugging Face fixtures of tests/convert/ (run by hand, not by CI): Qwen3-MoE,
+Qwen2-MoE and DeepSeek-V3.
 
 Needs torch and transformers, which moetext itself never imports; use a separate venv:
 
-    python3.12 -m venv /tmp/hfvenv && /tmp/hfvenv/bin/pip install torch transformers
-    /tmp/hfvenv/bin/python scripts/make_hf_fixture.py [--out tests/fixtures/hf]
+    python3.11 -m venv /tmp/hfvenv && /tmp/hfvenv/bin/pip install --no-deps 'torch==2.13.*'
+    /tmp/hfvenv/bin/pip install filelock sympy networkx jinja2 fsspec typing-extensions \
+        transformers==5.23.0 safetensors numpy
+    /tmp/hfvenv/bin/python scripts/make_hf_fixture.py [--out tests/fixtures/hf] [--only NAME ...]
 
 Each fixture is a tiny random Qwen3MoeForCausalLM (one Qwen2MoeForCausalLM) saved by
 `save_pretrained` (config.json + safetensors) with `input_ids.npy` [2, 12] and the float32
@@ -13,6 +16,15 @@ head_dim != hidden_size / heads, tied and untied embeddings, one file and sharde
 index, Qwen2-MoE's q/k/v bias and sigmoid-gated shared expert, and both config.json spellings
 (transformers 5 as written; `released` is rewritten as the released Qwen3 checkpoints spell it:
 num_experts, rope_theta, torch_dtype).
+
+DeepSeek-V3 (scripts/make_deepseek_fixture.py): `deepseek_v3_t5`, a tiny random
+DeepseekV3ForCausalLM with q_lora, YaRN (mscale != mscale_all_dim), interleaved RoPE, a dense
+first layer, group-limited routing with a non-zero e_score_correction_bias and a shared expert,
+saved by transformers 5 (float32) plus a random MTP layer as released checkpoints store it
+(`model.layers.{num_hidden_layers}.*`); `deepseek_v3_fp8`, its twin as DeepSeek releases weights:
+the projections block-scaled float8_e4m3fn with weight_scale_inv in 4 x 6 blocks (several per
+tensor, partial ones at the edges), the rest bfloat16, config.json in the released spelling;
+its logits are transformers' on the dequantized weights.
 """
 
 from __future__ import annotations
@@ -148,15 +160,23 @@ def make(name: str, spec: dict, out: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "tests/fixtures/hf"))
+    p.add_argument("--only", nargs="*", help="fixture names (qwen ones, deepseek, chat_tokenizer)")
     args = p.parse_args()
+    want = set(args.only or [])
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
     for name, spec in FIXTURES.items():
-        make(name, spec, Path(args.out))
-    # The chat tokenizer fixture (a BPE tokenizer.json, Qwen3's chat template, the ids
-    # transformers renders): scripts/make_chat_fixture.py, also runnable alone.
-    from make_chat_fixture import make_chat_tokenizer
+        if not want or name in want:
+            make(name, spec, Path(args.out))
+    if not want or "deepseek" in want:
+        from make_deepseek_fixture import make_deepseek_fixtures
 
-    make_chat_tokenizer(Path(args.out))
+        make_deepseek_fixtures(Path(args.out))
+    if not want or "chat_tokenizer" in want:
+        # The chat tokenizer fixture (a BPE tokenizer.json, Qwen3's chat template, the ids
+        # transformers renders): scripts/make_chat_fixture.py, also runnable alone.
+        from make_chat_fixture import make_chat_tokenizer
+
+        make_chat_tokenizer(Path(args.out))
 
 
 if __name__ == "__main__":

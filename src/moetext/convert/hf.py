@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,10 @@ from flax import nnx
 
 from moetext import models
 from moetext.config.schema import Config, KernelsConfig
+from moetext.convert.fp8 import dequantized
 from moetext.convert.safetensors_io import SafetensorsReader
 from moetext.errors import ConfigError
-from moetext.models.hf import HfAdapter, Tensor, TensorSource
+from moetext.models.hf import Fitted, HfAdapter, Tensor, TensorSource
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -45,22 +47,39 @@ def adapter_for(hf_config: dict[str, Any]) -> HfAdapter:
     return adapter
 
 
-def open_tensors(hf_dir: str | Path, adapter: HfAdapter) -> TensorSource:
-    """The checkpoint's tensors as the adapter's tensor map reads them (memory-mapped, with the
-    family's preprocessing, e.g. dequantized block-scaled weights)."""
-    return adapter.wrap_source(SafetensorsReader(hf_dir))
+def open_tensors(
+    hf_dir: str | Path, adapter: HfAdapter, scratch: Path | None = None
+) -> TensorSource:
+    """The checkpoint's tensors as the adapter's tensor map reads them: memory-mapped, block-
+    scaled FP8 weights dequantized to float32 (convert/fp8.py; into unlinked files under
+    `scratch` when given), then the family's own preprocessing."""
+    source = dequantized(SafetensorsReader(hf_dir), read_config(hf_dir), scratch)
+    return adapter.wrap_source(source)
+
+
+def fitted_config(hf_dir: str | Path) -> tuple[HfAdapter, Fitted, str]:
+    """(the family's adapter, config.json's model and moe fitted to the stored tensors, the
+    stored dtype); the adapter's warnings go to stderr, one `warning:` line each."""
+    hf_config = read_config(hf_dir)
+    adapter = adapter_for(hf_config)
+    model_cfg, moe_cfg, stored = adapter.config_from_hf(hf_config)
+    names = dequantized(SafetensorsReader(hf_dir), hf_config).names()  # scales hidden
+    fitted = adapter.fit_config(model_cfg, moe_cfg, names)
+    for line in fitted.warnings:
+        print(f"warning: {line}", file=sys.stderr)
+    return adapter, fitted, stored
 
 
 def config_from_hf_dir(hf_dir: str | Path, dtype: str | None = None) -> Config:
-    """A moetext Config for the checkpoint (model and moe from config.json; other sections at
-    their defaults). dtype sets param_dtype and compute dtype (default: the stored dtype)."""
-    hf_config = read_config(hf_dir)
-    model_cfg, moe_cfg, stored = adapter_for(hf_config).config_from_hf(hf_config)
+    """A moetext Config for the checkpoint (model and moe from config.json, fitted to what the
+    safetensors hold; other sections at their defaults). dtype sets param_dtype and compute
+    dtype (default: the stored dtype)."""
+    _, fitted, stored = fitted_config(hf_dir)
     dtype = dtype or stored
     if dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-    model_cfg = dataclasses.replace(model_cfg, param_dtype=dtype, dtype=dtype)  # type: ignore[arg-type]
-    return Config(model=model_cfg, moe=moe_cfg)
+    model_cfg = dataclasses.replace(fitted.model, param_dtype=dtype, dtype=dtype)  # type: ignore[arg-type]
+    return Config(model=model_cfg, moe=fitted.moe)
 
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
@@ -69,27 +88,53 @@ FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 def check_dtype(name: str, part: np.ndarray) -> None:
     """Weights are floating point: anything else is a broken or foreign checkpoint."""
     if part.dtype.name not in FLOAT_DTYPES:
+        fp8 = " (an FP8 checkpoint needs config.json's quantization_config and block scales)"
         raise ConfigError(
             f"tensor {name} has dtype {part.dtype.name}; expected one of {', '.join(FLOAT_DTYPES)}"
+            + (fp8 if part.dtype.name.startswith("float8") else "")
         )
 
 
 def read_parts(reader: TensorSource, t: Tensor) -> list[np.ndarray]:
-    """The HF tensors of `t` (memory-mapped), each checked for a float dtype and its shape."""
+    """The HF tensors of `t` (memory-mapped), each checked for a float dtype and its shape, and
+    its stored copies (`Tensor.copies`) checked equal to it."""
     parts = [reader.get(name) for name in t.hf_names]
     for name, part in zip(t.hf_names, parts, strict=True):
-        check_dtype(name, part)
-        if tuple(part.shape) != t.hf_shape:
+        _check_part(name, part, t)
+    for name in t.copies:
+        copy = reader.get(name)
+        _check_part(name, copy, t)
+        if copy.dtype != parts[0].dtype or not _equal(copy, parts[0]):
             raise ConfigError(
-                f"tensor {name} has shape {tuple(part.shape)}; config.json needs {t.hf_shape} "
-                f"(moetext {'.'.join(map(str, t.path))} {t.shape})"
+                f"tensor {name} differs from {t.hf_names[0]}; the checkpoint stores it as a "
+                "copy of that tensor (they must be equal)"
             )
     return parts
 
 
+def _check_part(name: str, part: np.ndarray, t: Tensor) -> None:
+    check_dtype(name, part)
+    if tuple(part.shape) != t.hf_shape:
+        raise ConfigError(
+            f"tensor {name} has shape {tuple(part.shape)}; config.json needs {t.hf_shape} "
+            f"(moetext {'.'.join(map(str, t.path))} {t.shape})"
+        )
+
+
+def _equal(a: np.ndarray, b: np.ndarray, rows: int = 4096) -> bool:
+    """Bitwise equal (NaNs included), a few thousand rows at a time: no whole-table temporary."""
+    a2, b2 = a.reshape(len(a), -1), b.reshape(len(b), -1)
+    view = np.dtype(f"u{a.dtype.itemsize}")
+    return all(
+        np.array_equal(a2[i : i + rows].view(view), b2[i : i + rows].view(view))
+        for i in range(0, len(a2), rows)
+    )
+
+
 def check_tensors(reader: TensorSource, tensors: list[Tensor], tied: bool) -> None:
-    """Every tensor the model needs is there and nothing else is (named either way)."""
-    want = {n for t in tensors for n in t.hf_names}
+    """Every tensor the model needs (and every stored copy of one) is there and nothing else is
+    (named either way)."""
+    want = {n for t in tensors for n in (*t.hf_names, *t.copies)}
     have = set(reader.names())
     if tied:
         have.discard("lm_head.weight")  # some writers keep the tied head; it is the embedding

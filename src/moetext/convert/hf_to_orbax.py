@@ -41,8 +41,8 @@ from moetext.checkpoint import shape_mismatches, write_params
 from moetext.config.schema import Config
 from moetext.convert.hf import (
     DTYPES,
-    adapter_for,
     check_tensors,
+    fitted_config,
     open_tensors,
     read_config,
     read_parts,
@@ -67,13 +67,13 @@ def np_dtype(name: str) -> np.dtype[Any]:
 
 
 def derive_config(hf_dir: str | Path, config_path: str | Path | None) -> Config:
-    """The run config for the checkpoint: from config.json, or `config_path` checked against it."""
-    hf_config = read_config(hf_dir)
-    model_cfg, moe_cfg, _ = adapter_for(hf_config).config_from_hf(hf_config)
+    """The run config for the checkpoint: from config.json (fitted to the stored tensors), or
+    `config_path` checked against it."""
+    _, fitted, _ = fitted_config(hf_dir)
+    from_json = Config(model=fitted.model, moe=fitted.moe)
     if config_path is None:
-        return Config(model=model_cfg, moe=moe_cfg)
+        return from_json
     cfg = config_lib.load(config_path)
-    from_json = Config(model=model_cfg, moe=moe_cfg)
     bad = shape_mismatches(cfg, from_json, str(config_path), "config.json")
     if bad:
         raise ConfigError(f"{config_path} does not describe {hf_dir}: " + "; ".join(bad))
@@ -147,9 +147,11 @@ def hf_to_orbax(
         raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     refuse_existing(out, overwrite)
     adapter = models.hf_adapter(cfg.model.family)
-    reader = open_tensors(hf_dir, adapter)
-    tensors = adapter.tensor_map(cfg.model, cfg.moe)
-    check_tensors(reader, tensors, cfg.model.tie_embeddings)
+    check_tensors(
+        open_tensors(hf_dir, adapter),
+        adapter.tensor_map(cfg.model, cfg.moe),
+        cfg.model.tie_embeddings,
+    )
     tokenizer = [hf_dir / f for f in TOKENIZER_FILES if (hf_dir / f).exists()]
     if not any(f.name == "tokenizer.json" for f in tokenizer):
         print(
@@ -160,6 +162,9 @@ def hf_to_orbax(
     with staging(out) as stage:
         scratch = stage / "scratch"
         scratch.mkdir()
+        # FP8 weights dequantize into unlinked files there (file pages, not anonymous memory).
+        reader = open_tensors(hf_dir, adapter, scratch)
+        tensors = adapter.tensor_map(cfg.model, cfg.moe)
         items = {"params": abstract_params(cfg), "model_state": initial_model_state(cfg)}
         target = np_dtype(dtype)
         for t in tensors:

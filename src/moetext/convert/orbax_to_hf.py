@@ -113,7 +113,10 @@ def orbax_to_hf(
     def named() -> Iterator[tuple[str, np.ndarray]]:
         for t, array in moetext_arrays(ckpt, cfg):
             as_dtype = target if t.item == "params" else np.float32  # model state stays f32
-            yield from zip(t.hf_names, t.to_hf(array.astype(as_dtype)), strict=True)
+            arrays = t.to_hf(array.astype(as_dtype))
+            yield from zip(t.hf_names, arrays, strict=True)
+            for name in t.copies:  # e.g. DeepSeek-V3's MTP layer's embedding and head
+                yield name, arrays[0]
 
     with staging(out) as stage:
         done = stage / "hf"

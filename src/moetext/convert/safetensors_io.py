@@ -28,6 +28,8 @@ _DTYPES: dict[str, np.dtype[Any]] = {
     "F32": np.dtype(np.float32),
     "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),  # block-scaled weights (convert/fp8.py)
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
     "I64": np.dtype(np.int64),
     "I32": np.dtype(np.int32),
     "I16": np.dtype(np.int16),

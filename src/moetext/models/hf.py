@@ -2,11 +2,12 @@
 
 A family with an adapter (`ModelFamily.hf`) converts both ways with `moetext.convert`; the
 adapter says which config.json `model_type` values it reads, maps config.json to its config
-sections and back, lists every parameter with the HF tensors it is made of (`Tensor`), and may
-preprocess the stored tensors (e.g. dequantize block-scaled FP8 weights) by wrapping the
-reader (`wrap_source`). convert/ holds what every family shares: safetensors I/O, staging and
-the orbax writes; it reaches a family's adapter only through `models.family_for_hf` /
-`models.get_family`.
+sections and back, lists every parameter with the HF tensors it is made of (`Tensor`), may
+fit the config to what the checkpoint stores (`fit_config`) and may preprocess the stored
+tensors by wrapping the reader (`wrap_source`; block-scaled FP8 weights are dequantized before
+it, by convert/fp8.py, for every family). convert/ holds what every family shares:
+safetensors I/O, staging and the orbax writes; it reaches a family's adapter only through
+`models.family_for_hf` / `models.get_family`.
 
 HF stores torch Linear weights as [out, in]; moetext stores [in, out] with heads split out
 (w_q [D, N, H], w_o [N, H, D]) and experts stacked (w_gate [E, D, F]). Every `Tensor.kind` is a
@@ -16,7 +17,7 @@ transpose/reshape/stack, so hf -> moetext -> hf is bit-exact.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -48,6 +49,12 @@ class Tensor:
     """Which part of the model state it is: an nnx.Param (saved in the dtype conversion asks
     for), or a models.ModelState variable (a router's selection bias, e.g. DeepSeek-V3's
     `e_score_correction_bias`: always float32, saved in the checkpoint's `model_state`)."""
+    copies: tuple[str, ...] = ()
+    """HF tensors that store this one again (kind same only; DeepSeek-V3's MTP layers keep
+    copies of the embedding and the head): import checks each equals it, export writes each."""
+
+    def __post_init__(self) -> None:
+        assert not self.copies or self.kind == "same", "copies of a one-tensor identity only"
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
@@ -106,6 +113,20 @@ def _same_source(source: TensorSource) -> TensorSource:
 
 
 @dataclasses.dataclass(frozen=True)
+class Fitted:
+    """The config of what a checkpoint actually holds (`HfAdapter.fit_config`)."""
+
+    model: ModelConfig
+    moe: MoEConfig
+    warnings: tuple[str, ...] = ()
+    """One line each, printed by the converter (e.g. a part of the checkpoint left out)."""
+
+
+def _fits(model: ModelConfig, moe: MoEConfig, names: Collection[str]) -> Fitted:
+    return Fitted(model, moe)
+
+
+@dataclasses.dataclass(frozen=True)
 class HfAdapter:
     """A family's Hugging Face checkpoint mapping (see the module docstring)."""
 
@@ -122,7 +143,11 @@ class HfAdapter:
     the HF tensors it is made of."""
     wrap_source: Callable[[TensorSource], TensorSource] = _same_source
     """The stored tensors as the tensor map reads them: identity, or a view that preprocesses
-    (e.g. dequantizes block-scaled FP8 weights and hides their scale tensors)."""
+    (the converter itself already dequantizes block-scaled FP8 weights, convert/fp8.py)."""
+    fit_config: Callable[[ModelConfig, MoEConfig, Collection[str]], Fitted] = _fits
+    """(config_from_hf's model and moe, the stored tensor names) -> the config of what the
+    checkpoint holds, where config.json alone does not say (DeepSeek-V3: num_nextn_predict_layers
+    MTP layers that transformers never saves are turned off, with a warning)."""
 
 
 def hf_dtype(hf: Mapping[str, Any]) -> str:

@@ -2,8 +2,9 @@
 
 Multi-head latent attention with a latent decode cache (mla.py), DeepSeek's RoPE with YaRN
 (rope.py), a dense SwiGLU prefix then MoE layers with shared experts (model.py), counted by
-flops.py; its own `model:` fields are config.py's. The MoE layers are the shared MoEBlock (route
-with moe.router: sigmoid_topk for DeepSeek-V3's group-limited, bias-balanced gate).
+flops.py, converted to and from Hugging Face by hf.py (the `hf` adapter); its own `model:`
+fields are config.py's. The MoE layers are the shared MoEBlock (route with moe.router:
+sigmoid_topk for DeepSeek-V3's group-limited, bias-balanced gate).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from flax import nnx
 from moetext.config.schema import KernelsConfig, ModelConfig, MoEConfig
 from moetext.models.deepseek_v3 import flops
 from moetext.models.deepseek_v3.config import DeepSeekModelConfig, deepseek_model
+from moetext.models.deepseek_v3.hf import HF
 from moetext.models.deepseek_v3.mla import MLA, MLACache, MLAConfig
 from moetext.models.deepseek_v3.model import Decoder, decode_cache
 from moetext.models.deepseek_v3.rope import Yarn
@@ -74,5 +76,6 @@ FAMILY = register_family(
         model_config=DeepSeekModelConfig,
         moe_config=MoEConfig,
         decode_cache=lambda m, b, n: decode_cache(deepseek_model(m), b, n),
+        hf=HF,
     )
 )
