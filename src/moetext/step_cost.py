@@ -7,7 +7,8 @@ These are compiler-derived ESTIMATES, not timings. Nothing here ran on a TPU.
   cost analysis counts a while body once, and pod configs scan their layers, so this walks the
   HLO itself and multiplies every computation by how often it runs (the trip counts of
   aot._call_multipliers, as the collectives count does): FLOPs of every dot and convolution
-  (2 x result elements x contracted elements) plus each Pallas call's own `pl.CostEstimate`;
+  (2 x result elements x contracted elements) plus each Pallas call's own `pl.CostEstimate`
+  (MaxText's kernels carry none: their useful FLOPs from their shapes, `_kernel_flops`);
   HBM bytes as XLA's cost analysis defines them (each top-level instruction reads its operands
   and writes its result; a fusion's internals stay on chip).
 - `roofline(...)`: compute = FLOPs / peak, HBM = bytes / bandwidth, interconnect = the ring
@@ -138,7 +139,31 @@ def _operands(after_op: str) -> list[str]:
         if depth == 0:
             end = i
             break
-    return re.findall(r"%([\w.\-]+)", after_op[:end])
+    # name#i is element i of a tuple-shaped value (XLA prints get-tuple-element so).
+    return [
+        f"{n}#{i}" if i else n for n, i in re.findall(r"%([\w.\-]+)(?:#(\d+))?", after_op[:end])
+    ]
+
+
+def _tuple_elements(shape: str) -> list[str]:
+    """The top-level element shapes of a tuple shape text."""
+    inner, parts, depth, start = shape[1:-1], [], 0, 0
+    for i, ch in enumerate(inner):
+        depth += {"(": 1, ")": -1, "{": 1, "}": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append(inner[start:i])
+            start = i + 1
+    parts.append(inner[start:])
+    return [re.sub(r"/\*.*?\*/", "", p).strip() for p in parts]
+
+
+def _shape_of(shapes: dict[str, str], operand: str) -> str:
+    name, _, index = operand.partition("#")
+    shape = shapes.get(name, "")
+    if index and shape.startswith("("):
+        elements = _tuple_elements(shape)
+        return elements[int(index)] if int(index) < len(elements) else ""
+    return shape
 
 
 def _dims(shape_text: str) -> list[int]:
@@ -210,6 +235,43 @@ def _conv_flops(result: str, lhs: str, attrs: str) -> float:
     return flops
 
 
+_LAYOUTS_RE = re.compile(r"operand_layout_constraints=\{(.*?)\}, \w+=")
+# Attention kernels by their Pallas name: matmul FLOPs per (head x query x key x head dim) of
+# the forward (QK^T and PV), the dq pass (QK^T, dP, dQ) and the dk/dv pass (QK^T, dP, dV, dK).
+_SPLASH = {"fwd": 4, "dq": 6, "dkv": 8}
+# Causal masking computes about half the score blocks (plus the diagonal, ignored here).
+CAUSAL_FRACTION = 0.5
+
+
+def _kernel_flops(ins: _Instr) -> float | None:
+    """Useful FLOPs of a Pallas call that carries no pl.CostEstimate (MaxText's megablox gmm and
+    splash attention), from its name and operand shapes: gmm 2 M K N, tgmm 2 M K N, splash
+    attention by _SPLASH at CAUSAL_FRACTION. None for a kernel it does not know."""
+    layouts = _LAYOUTS_RE.search(ins.line)
+    ops = [
+        [int(d) for d in dims.split(",") if d]
+        for _, dims in aot._ARRAY_RE.findall(layouts.group(1) if layouts else "")
+    ]
+    out = _dims(ins.shape)
+    name = ins.name.split(".")[0]
+    two = [o for o in ops if len(o) == 2 and o[0] > 1]
+    three = [o for o in ops if len(o) == 3]
+    if name.startswith("gmm") and len(out) == 2 and three:
+        e_k_n = three[-1]
+        k = e_k_n[1] if e_k_n[2] == out[1] else e_k_n[2]
+        return 2.0 * out[0] * k * out[1]
+    if name.startswith("tgmm") and len(out) == 3 and two:
+        return 2.0 * two[0][0] * out[1] * out[2]
+    if name.startswith("splash_mha"):
+        kind = next((v for key, v in _SPLASH.items() if f"_{key}_" in name), None)
+        qkv = [o for o in three if o[-1] <= 256]  # [heads, seq, head_dim]
+        if kind is None or len(qkv) < 2:
+            return None
+        q, kk = max(qkv, key=lambda o: o[0]), qkv[-1]
+        return kind * q[0] * q[1] * kk[1] * q[2] * CAUSAL_FRACTION
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class HloCost:
     flops: float
@@ -217,7 +279,8 @@ class HloCost:
     hbm_bytes: float
     """Bytes read and written by top-level instructions (fusions as units), per step."""
     pallas_calls_without_estimate: int
-    """Pallas calls whose FLOPs are unknown (no pl.CostEstimate): counted as 0."""
+    """Pallas calls whose FLOPs are unknown (no pl.CostEstimate, no shape rule in
+    _kernel_flops): counted as 0."""
 
 
 @dataclasses.dataclass
@@ -279,8 +342,9 @@ def _param_read(
             read += aot.array_bytes(u.shape)[0]
         elif u.op == "dynamic-update-slice" and u.operands[0] == name:
             continue
-        elif u.op == "bitcast":
-            return full if c.users.get(u.name) else read  # a view: follow no further
+        elif u.op == "bitcast" and u.operands == [name]:  # a view: what its users read
+            c.params[-1 - depth] = u.name
+            read += _param_read(comps, comp, -1 - depth, full, depth + 1)
         elif u.op == "fusion" and (callee := _FUSION_CALLS_RE.search(u.line)):
             for j, o in enumerate(u.operands):
                 if o == name:
@@ -329,28 +393,33 @@ def hlo_cost(hlo_text: str) -> HloCost:
         if ins is None:
             continue
         k = times.get(comp, 1) if comp is not None else 1
-        lhs = shapes.get(ins.operands[0], "") if ins.operands else ""
+        lhs = _shape_of(shapes, ins.operands[0]) if ins.operands else ""
         if ins.op == "dot":
             flops += k * _dot_flops(ins.shape, lhs, ins.line)
         elif ins.op == "convolution":
             flops += k * _conv_flops(ins.shape, lhs, ins.line)
         elif ins.op == "custom-call" and "tpu_custom_call" in ins.line:
             ce = _CE_FLOPS_RE.search(ins.line)
-            if ce:
-                flops += k * float(ce.group(1))
-            else:
+            known = float(ce.group(1)) if ce else _kernel_flops(ins)
+            if known is None:
                 missing += k
+            else:
+                flops += k * known
         if comp in inner or ins.op in _NO_BYTES:
             continue
         callee = _FUSION_CALLS_RE.search(ins.line) if ins.op == "fusion" else None
         if callee:
             moved = _written(comps, callee.group(1), ins.shape) + sum(
-                _param_read(comps, callee.group(1), j, aot.array_bytes(shapes.get(o, ""))[0])
+                _param_read(comps, callee.group(1), j, aot.array_bytes(_shape_of(shapes, o))[0])
                 for j, o in enumerate(ins.operands)
             )
+        elif ins.op == "copy-start" and ins.operands:  # reads its operand, writes one copy
+            moved = 2 * aot.array_bytes(_shape_of(shapes, ins.operands[0]))[0]
+        elif ins.op == "dynamic-update-slice" and len(ins.operands) > 1:  # in place
+            moved = 2 * aot.array_bytes(_shape_of(shapes, ins.operands[1]))[0]
         else:
             moved = aot.array_bytes(ins.shape)[0] + sum(
-                aot.array_bytes(shapes.get(o, ""))[0] for o in ins.operands
+                aot.array_bytes(_shape_of(shapes, o))[0] for o in ins.operands
             )
         hbm += k * moved
     return HloCost(flops=flops, hbm_bytes=hbm, pallas_calls_without_estimate=missing)
