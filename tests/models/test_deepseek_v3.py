@@ -208,9 +208,9 @@ def test_param_counts_by_hand_and_of_the_built_model():
 @pytest.mark.parametrize(
     ("name", "total", "active"),
     [
-        # Published: DeepSeek-V3 671B / 37B (without its MTP module); Kimi K2 "1T" / 32B
-        # (1.04T on the model card); Moonlight 16B / 3B (15.29B / 2.24B without embedding and
-        # head in its report).
+        # Published: DeepSeek-V3 671B / 37B without its MTP module (checked below); Kimi K2
+        # "1T" / 32B (1.04T on the model card); Moonlight 16B / 3B (15.29B / 2.24B without
+        # embedding and head in its report).
         ("deepseek-v3-671b", 671.0e9, 37.0e9),
         ("kimi-k2", 1.03e12, 32.5e9),
         ("moonlight-16b-a3b", 15.96e9, 2.91e9),
@@ -218,7 +218,15 @@ def test_param_counts_by_hand_and_of_the_built_model():
 )
 def test_pod_configs_build_abstractly_with_published_counts(name, total, active):
     cfg = config.load(REPO / f"configs/models/{name}.yml")
-    counts = models.get_family("deepseek_v3").count_params(cfg.model, cfg.moe)
+    count = models.get_family("deepseek_v3").count_params
+    if name == "deepseek-v3-671b":
+        # The shipped config builds the released MTP module (model.mtp_layers: 1): 685B on
+        # the model card, which also counts the embedding and head copies the checkpoint
+        # stores in it (shared here).
+        with_mtp = count(cfg.model, cfg.moe)["total"]
+        assert with_mtp == pytest.approx(685.0e9 - 2 * 129280 * 7168, rel=0.015)
+        cfg = config.load(REPO / f"configs/models/{name}.yml", ["model.mtp_layers=0"])
+    counts = count(cfg.model, cfg.moe)
     assert counts["total"] == pytest.approx(total, rel=0.015), counts
     assert counts["active"] == pytest.approx(active, rel=0.025), counts
     if name == "moonlight-16b-a3b":  # the report counts without embedding and LM head

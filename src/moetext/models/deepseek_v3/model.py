@@ -46,6 +46,8 @@ from moetext.models.moe.routers import build_router
 from moetext.sharding.logical import constrain
 
 ACT_NAMES = ("batch", "length", "embed")
+# The epsilon of MLA's q_a and kv_a RMSNorms (see mla_config).
+MLA_NORM_EPS = 1e-6
 Aux = dict[str, jax.Array]
 LayerState = nnx.State[Any, Any]
 # (x_BSD, layer state, cos_BSR, sin_BSR, segment_ids_BS) -> (x_BSD, aux): one layer, remat'd.
@@ -64,7 +66,9 @@ def mla_config(cfg: DeepSeekModelConfig) -> MLAConfig:
         qk_nope_head_dim=cfg.qk_nope_head_dim,
         qk_rope_head_dim=cfg.qk_rope_head_dim,
         v_head_dim=cfg.v_head_dim,
-        rms_norm_eps=cfg.rms_norm_eps,
+        # q_a_layernorm and kv_a_layernorm: RMSNorm's default 1e-6 in transformers'
+        # DeepseekV3Attention and DeepSeek's reference code, whatever config.rms_norm_eps says.
+        rms_norm_eps=MLA_NORM_EPS,
         rope_theta=cfg.rope_theta,
         rope_interleave=cfg.rope_interleave,
         yarn=cfg.yarn,
