@@ -7,7 +7,8 @@ slice (`rhs_gather`) with the weight gradient reduce-scattered in tiles against 
 in one piece, and against gmm on the whole weight (no sharding); the call with
 `regather_weights` (gathered again in the backward) against the one keeping the forward's copy;
 the slice gathered with its last two dims swapped (gather.minor_swapped) against it gathered as
-given; plus how many tiles ran, and the scale of the tiled gradient's bound (drhs_abs_scale).
+given, with the scales of its bounds (swap_scales); plus how many tiles ran, and the scale of
+the tiled gradient's bound (drhs_abs_scale).
 """
 
 from __future__ import annotations
@@ -123,6 +124,28 @@ def drhs_abs_scale(
     return float(a_GKN.max() / np.abs(gw).max())
 
 
+def swap_scales(
+    x: np.ndarray, w_GKN: np.ndarray, ids: np.ndarray, ref: tuple[float, np.ndarray, np.ndarray]
+) -> dict[str, float]:
+    """The data-dependent factors of the swapped-vs-not bounds (test_gmm_gather.py), with
+    A[r, n] = sum_k |x[r, k] * w[g_r, k, n]| (what bounds out[r, n]'s rounding) and
+    dout = 2 out: the loss's sum of |out| * A over the loss; for dlhs the largest
+    sum_n A * |w| and sum_n |dout * w| an entry adds up, for drhs the largest sum_r |x| * A
+    and sum_r |x * dout|, each over the largest entry of `ref`'s gradient."""
+    x64, w_RKN = np.asarray(x, np.float64), np.asarray(w_GKN, np.float64)[ids]
+    out_RN = np.einsum("rk,rkn->rn", x64, w_RKN)
+    a_RN = np.einsum("rk,rkn->rn", np.abs(x64), np.abs(w_RKN))
+    onehot_RG = np.eye(G)[ids]
+    loss, dlhs, drhs = ref
+    scales = {"loss": float(np.sum(np.abs(out_RN) * a_RN) / loss)}
+    for name, m_RN in (("A", a_RN), ("dout", 2 * np.abs(out_RN))):
+        dlhs_RK = np.einsum("rn,rkn->rk", m_RN, np.abs(w_RKN))
+        drhs_GKN = np.einsum("rg,rk,rn->gkn", onehot_RG, np.abs(x64), m_RN)
+        scales[f"dlhs_{name}"] = float(dlhs_RK.max() / np.abs(dlhs).max())
+        scales[f"drhs_{name}"] = float(drhs_GKN.max() / np.abs(drhs).max())
+    return scales
+
+
 def tiles_of(layout: str) -> int:
     """How many tiles reduce_scatter_tiled runs for the layout at the patched sizes."""
     spec, gather_dims, transpose = LAYOUTS[layout]
@@ -181,7 +204,7 @@ def main() -> None:
     }
     # The layout whose slice is gathered with its last two dims swapped (gather.minor_swapped:
     # the local N = 12 is under TPU_LANES) against the same call gathered along N as given.
-    out["swapped_vs_not"] = {}
+    out["swapped_vs_not"], out["swap_scales"] = {}, {}
     for backend in ("ragged_dot", "blocked"):
         for reduce_dtype in (None, "bfloat16"):
             key = f"N_over_b/{backend}/{reduce_dtype or 'param'}"
@@ -199,6 +222,7 @@ def main() -> None:
             out["swapped_vs_not"][key] = [
                 rel(a, u) for a, u in zip(swapped, not_swapped, strict=True)
             ]
+            out["swap_scales"][key] = swap_scales(x, w, ids, not_swapped)
     print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from moetext import config, train
 from moetext import data as data_lib
+from moetext.train.batch_hash import global_batch_hash
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs/models/tiny-qwen3-moe.yml"
@@ -60,12 +61,21 @@ def test_tiny_config_trains_on_text_below_the_unigram_entropy(tmp_path):
     assert load_tokenizer(str(tmp_path / "tokenizer")).vocab_size == 512
 
 
+def _hashes(run_dir) -> dict[int, str]:
+    """step -> batch_hash, from every row that has one (each step's once)."""
+    rows = [json.loads(line) for line in open(Path(run_dir) / "metrics.jsonl")]
+    steps = [r["step"] for r in rows if "batch_hash" in r]
+    assert len(steps) == len(set(steps)), steps
+    return {r["step"]: r["batch_hash"] for r in rows if "batch_hash" in r}
+
+
 @pytest.mark.parametrize("kind", ["tfds", "synthetic"])
 def test_resume_gives_identical_losses(tmp_path, kind):
     common = [
         *QUIET,
         f"data.kind={kind}",
         "train.log_every=1",
+        "train.log_batch_hash=true",
         "checkpoint.every=10",
         "checkpoint.async_save=true",
         "train.steps=20",
@@ -78,16 +88,29 @@ def test_resume_gives_identical_losses(tmp_path, kind):
     _run_until(cfg10, stop_after=10)
     assert sorted(os.listdir(resumed / "checkpoints")) == ["10"]
     # The resumed run also traces steps 12..13: profiling does not change a bit of the losses.
-    train.run(
-        dataclasses.replace(cfg10, train=dataclasses.replace(cfg10.train, profile_steps=(12, 14)))
-    )
+    # It logs every 3rd step: the steps between write their batch hash in a row of their own.
+    later = dataclasses.replace(cfg10.train, profile_steps=(12, 14), log_every=3)
+    train.run(dataclasses.replace(cfg10, train=later))
     assert list(resumed.glob("tensorboard/plugins/profile/*/*.xplane.pb"))
     a, b = _losses(straight), _losses(resumed)
-    assert sorted(b) == list(range(1, 21))
+    assert sorted(a) == list(range(1, 21))
+    assert sorted(b) == [*range(1, 11), 12, 15, 18, 20]
     # Same compiled program, same data position and optimizer state: bit-identical losses.
     # On text this also means the same packed rows: the stream positions saved at step 10
     # resume exactly where the uninterrupted run was.
-    assert [a[s] for s in range(1, 21)] == [b[s] for s in range(1, 21)]
+    assert [a[s] for s in sorted(b)] == [b[s] for s in sorted(b)]
+    rows = [json.loads(line) for line in open(resumed / "metrics.jsonl")]
+    hash_only = [r for r in rows if "batch_hash" in r and "loss" not in r]
+    assert [r["step"] for r in hash_only] == [11, 13, 14, 16, 17, 19]
+    assert all(set(r) == {"step", "batch_hash"} for r in hash_only), hash_only
+    # Every step's hash, logged or not, is the batch the uninterrupted run read at that step,
+    # and both are the hashes of the data stream read directly (the oracle: step s trains on
+    # the stream's s-th global batch).
+    stream = data_lib.build(cfg10.data, cfg10.model.vocab_size)
+    n = cfg10.data.global_batch_size
+    want = {s: global_batch_hash(stream.next_batch(), range(n), n) for s in range(1, 21)}
+    stream.close()
+    assert _hashes(resumed) == _hashes(straight) == want
     saved = json.loads((resumed / "checkpoints/20/data/process_0-of-1.json").read_text())
     assert saved["kind"] == kind
 

@@ -22,8 +22,9 @@ loop compares the saved config with the run's: `config_check.check_config`).
 With several processes they all resume from the same step: the candidate steps are those any
 process sees, and each step's verdict (files and config, then the array restore) is agreed
 through a collective (module agree), so a step damaged as one host sees it is skipped by all.
-A restore that fails on one host only is still caught inside orbax's own restore barrier,
-which the other hosts wait at: host-local damage is agreed on when the cheap checks see it.
+A restore that fails on one host only is agreed on too: the arrays are read through orbax's
+handler, without the barrier orbax's Checkpointer ends a restore with (which a failed host
+never reaches), and the verdict exchange after the restore is the one point all hosts meet.
 
 The state restores onto the caller's shardings, whatever mesh, preset, device or process count
 wrote it (orbax reads each shard's slice of the saved arrays): a run moves between slices.
@@ -70,6 +71,8 @@ class Checkpointer:
             create=True,
         )
         self._mngr = ocp.CheckpointManager(self.directory, options=options)
+        # Restores read the state item through its handler: see _restore_state.
+        self._state_handler = ocp.StandardCheckpointHandler()
         quiet_orbax_failures()
 
     def latest_step(self) -> int | None:
@@ -240,11 +243,15 @@ class Checkpointer:
         return meta, [read_json(f) for f in files]
 
     def _restore_state(self, step: int, abstract_state: Any) -> Any:
+        # Through the state item's handler, not CheckpointManager.restore: orbax's Checkpointer
+        # ends a restore with a barrier (a collective) that a host whose read failed never
+        # reaches, so with damage only one host meets, the hosts would enter different
+        # collectives (on CPU gloo aborts both: "collective mismatch"). The verdict exchange
+        # after it (_agreed) is the barrier instead: every host reaches it, restored or not.
         try:
-            restored = self._mngr.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+            state = self._state_handler.restore(
+                self.directory / str(step) / STATE, args=ocp.args.StandardRestore(abstract_state)
             )
-            state = restored.state
             got = int(state.step)  # reads the value: a damaged array fails here at the latest
         except Exception as e:  # orbax and tensorstore raise many types (ValueError, OSError..)
             msg = " ".join(str(e).split()).split(" See full TensorStore details")[0]
@@ -288,6 +295,7 @@ class Checkpointer:
         try:
             self.wait()
         finally:
+            self._state_handler.close()
             self._mngr.close()
 
 

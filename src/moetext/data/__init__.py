@@ -11,6 +11,7 @@ kind=synthetic is the seeded Markov stream the benchmarks use.
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -137,9 +138,10 @@ class TextTrainData(TrainData):
 def build(cfg: DataConfig, vocab_size: int, rows: Sequence[int] | None = None) -> TrainData:
     """The data for rows `rows` of each global batch (all rows by default).
 
-    Raises ConfigError (before anything compiles) for a dataset that is not prepared, a
-    missing tokenizer, or a tokenizer with more pieces than the model's vocab_size. The
-    embedded corpus (data.name=python_docs) is prepared on first use instead.
+    Raises ConfigError for a dataset that is not prepared, a missing tokenizer, or a
+    tokenizer with more pieces than the model's vocab_size (the trainer builds the data before
+    it writes or compiles anything). The embedded corpus (data.name=python_docs) is prepared
+    on first use instead.
     """
     rows = list(range(cfg.global_batch_size)) if rows is None else list(rows)
     if cfg.kind == "synthetic":
@@ -198,9 +200,10 @@ def _dataset_version_dir(data_dir: str, name: str) -> str:
     ]
     if not versions:
         raise ConfigError(
-            f"dataset {name!r} is not prepared under {data_dir} (no {root}/<version>/"
-            f"dataset_info.json). Prepare it first:\n  python -m moetext.data.prepare "
-            f"--input 'path/to/corpus/*.jsonl' --name {name} --data_dir {data_dir}"
+            f"data.name={name!r}: no such dataset under data.data_dir={data_dir!r} (no "
+            f"{name}/<version>/dataset_info.json there); prepare it first: python -m "
+            f"moetext.data.prepare --input 'path/to/corpus/*.jsonl' --name {name} "
+            f"--data_dir {shlex.quote(data_dir)}"
         )
     newest = max(versions, key=lambda v: tuple(int(x) for x in v.split(".") if x.isdigit()))
     version_dir: str = os.fspath(root / newest)  # (etils.epath is untyped: Any)

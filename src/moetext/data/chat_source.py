@@ -21,7 +21,7 @@ import json
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from moetext.data.sources import Document, SourceFile, _decode, _open
+from moetext.data.sources import Document, SourceFile, jsonl_documents
 
 ROLES = ("system", "user", "assistant", "tool")
 EXTENSIONS = (".jsonl", ".jsonl.gz")
@@ -49,27 +49,10 @@ def iter_conversations(
 
 
 def _file(f: SourceFile, want: Callable[[str], bool] | None) -> Iterator[Document]:
-    with _open(f.path) as fh:
-        for lineno, line in enumerate(fh, 1):
-            key = f"{f.key}:{lineno}"
-            if not line.strip() or (want is not None and not want(key)):
-                continue
-            where = f"{f.path}:{lineno}"
-            decoded = _decode(line)
-            if decoded is None:
-                yield Document(key, where, None)
-                continue
-            try:
-                record = json.loads(decoded)
-            except ValueError as e:
-                raise ValueError(f"{where}: not valid JSON ({e})") from None
-            text = json.dumps(messages_of(record, where), ensure_ascii=False)
-            try:  # JSON escapes can spell lone surrogates, which are not UTF-8
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                yield Document(key, where, None)
-                continue
-            yield Document(key, where, text)
+    def text_of(record: Any, where: str) -> str:
+        return json.dumps(messages_of(record, where), ensure_ascii=False)
+
+    return jsonl_documents(f, want, text_of)
 
 
 def messages_of(record: Any, where: str) -> list[dict[str, Any]]:

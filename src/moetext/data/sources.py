@@ -148,6 +148,28 @@ def iter_documents(
 
 
 def _jsonl(f: SourceFile, text_key: str, want: Callable[[str], bool] | None) -> Iterator[Document]:
+    def text_of(record: Any, where: str) -> str:
+        if not isinstance(record, dict) or text_key not in record:
+            got = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise ValueError(f"{where}: no {text_key!r} field (--text_key); the line has {got}")
+        text = record[text_key]
+        if not isinstance(text, str):
+            raise ValueError(
+                f"{where}: {text_key!r} is a {type(text).__name__}, not a string: {text!r:.80}"
+            )
+        return text
+
+    return jsonl_documents(f, want, text_of)
+
+
+def jsonl_documents(
+    f: SourceFile, want: Callable[[str], bool] | None, text_of: Callable[[Any, str], str]
+) -> Iterator[Document]:
+    """One Document per non-blank line of a JSONL file (.gz streamed): key "<file key>:<line>",
+    text = text_of(the line's JSON value, "path:line"), which raises ValueError for a record
+    of the wrong shape. A line that is not valid JSON is a ValueError naming path:line; bytes
+    that are not UTF-8, or a text with lone surrogates, give text=None. Lines whose key
+    `want` rejects are not decoded or parsed."""
     with _open(f.path) as fh:
         for lineno, line in enumerate(fh, 1):
             key = f"{f.key}:{lineno}"
@@ -162,14 +184,7 @@ def _jsonl(f: SourceFile, text_key: str, want: Callable[[str], bool] | None) -> 
                 record = json.loads(decoded)
             except ValueError as e:
                 raise ValueError(f"{where}: not valid JSON ({e})") from None
-            if not isinstance(record, dict) or text_key not in record:
-                got = sorted(record) if isinstance(record, dict) else type(record).__name__
-                raise ValueError(f"{where}: no {text_key!r} field (--text_key); the line has {got}")
-            text = record[text_key]
-            if not isinstance(text, str):
-                raise ValueError(
-                    f"{where}: {text_key!r} is a {type(text).__name__}, not a string: {text!r:.80}"
-                )
+            text = text_of(record, where)
             # JSON escapes can spell lone surrogates ("\ud800"), which are not UTF-8 either.
             if not text.isascii():
                 try:

@@ -46,14 +46,18 @@ Batch = dict[str, jax.Array]
 
 def run(cfg: Config) -> dict[str, Any]:
     """Trains to cfg.train.steps, resuming from the newest checkpoint; returns the last metrics."""
-    # Unwritable run dir: one line before anything is built or compiled.
-    run_dir = rundir.prepare(cfg.train.run_dir)
     models.check_names(cfg.model, cfg.moe)  # an unknown family or router: before data and model
     plan = make_plan(cfg)
-    # Data before the model: a missing dataset or a tokenizer too large for the model fails
-    # here, before anything compiles. Each process reads only the rows its devices hold.
+    # Data before the run dir and the model: a missing dataset or tokenizer, or a tokenizer
+    # too large for the model, fails here, before anything is written or compiled (a failed
+    # start leaves no run dir behind). Each process reads only the rows its devices hold.
     rows = local_rows(plan.batch_sharding, cfg.data.global_batch_size)
     data = data_lib.build(cfg.data, cfg.model.vocab_size, rows)
+    try:  # unwritable: one line before anything is built or compiled
+        run_dir = rundir.prepare(cfg.train.run_dir)
+    except BaseException:
+        data.close()
+        raise
     if jax.process_index() == 0:
         config_lib.save(cfg, run_dir / "config.yml")
         data_lib.save_tokenizer(data, run_dir)
