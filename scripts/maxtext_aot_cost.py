@@ -92,6 +92,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--maxtext_topology", help="MaxText's compile_topology, e.g. v5p-64")
     p.add_argument("--json", help="write the report here")
     p.add_argument("--out", help="keep MaxText's log and HLO dump here (default: a temp dir)")
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="read the log and HLO dump an earlier run left in --out instead of compiling",
+    )
     p.add_argument("extra", nargs="*", metavar="maxtext_key=value")
     a = p.parse_args(argv)
     if a.remat.startswith("maxtext:"):
@@ -120,10 +125,14 @@ def main(argv: list[str]) -> int:
         f"remat_policy={remat}",
         *a.extra,
     ]
-    run = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
-    if run.returncode != 0:
-        print(f"maxtext_aot_cost: MaxText's compile failed:\n{run.stderr[-3000:]}", file=sys.stderr)
-        return 1
+    if a.reuse and not a.out:
+        p.error("--reuse reads --out DIR: give the directory of the earlier run")
+    if not a.reuse:
+        run = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
+        if run.returncode != 0:
+            err = run.stderr[-3000:]
+            print(f"maxtext_aot_cost: MaxText's compile failed:\n{err}", file=sys.stderr)
+            return 1
     log = (out / "maxtext_aot.log").read_text()
     hlo = _train_step_hlo(dump)
 

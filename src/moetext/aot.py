@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from moetext.kernels.pallas import target as pallas_target
+
 if TYPE_CHECKING:
     from moetext.config import Config
     from moetext.program import Built
@@ -317,10 +319,22 @@ def compile_step(
         cfg.data.global_batch_size, cfg.data.seq_len, b.batch_sharding, keys
     )
     t0 = time.perf_counter()
-    lowered = program.lower_checked(b, program.jit_train_step(b), b.state, batch)
+    with pallas_target.compiling_for(chip_of_topology(topology)):  # Mosaic, not interpret
+        lowered = program.lower_checked(b, program.jit_train_step(b), b.state, batch)
     t1 = time.perf_counter()
     compiled = lowered.compile(compiler_options=compiler_options)
     return CompiledStep(topology, b, compiled, t1 - t0, time.perf_counter() - t1)
+
+
+def chip_of_topology(topology: str) -> str:
+    """The Pallas tiling chip ('v5e', 'v5p', 'v6e', 'tpu7x') of a topology's devices."""
+    from moetext.kernels.pallas.tiling import chip_from_device_kind
+
+    kind = tpu_devices(topology)[0].device_kind
+    chip = chip_from_device_kind(kind)
+    if chip is None:
+        raise TopologyError(f"no Pallas tiling for TPU device kind {kind!r} of {topology!r}")
+    return chip
 
 
 def buffer_assignment_temp(dump_dir: str | Path, module: str = "jit_train_step") -> int:
@@ -567,7 +581,7 @@ def compile_decode_step(
 
     jitted = jax.jit(step, donate_argnums=(3,))
     t0 = time.perf_counter()
-    with plan.rules():
+    with plan.rules(), pallas_target.compiling_for(chip_of_topology(topology)):
         lowered = jitted.lower(abstract_params, tokens, tokens, caches, slot, first_valid)
     t1 = time.perf_counter()
     compiled = lowered.compile()

@@ -24,6 +24,7 @@ chip" figure in the report is per JAX device there, and the table halves the chi
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import re
@@ -88,8 +89,7 @@ _TO_APPLY_RE = re.compile(r"\bto_apply=%?([\w.\-]+)")
 _CONTRACT_RE = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _DIM_LABELS_RE = re.compile(r"dim_labels=([\w]+)_([\w]+)->([\w]+)")
 _FEATURE_GROUPS_RE = re.compile(r"feature_group_count=(\d+)")
-_CE_FLOPS_RE = re.compile(r'cost_estimate\\?"\s*:\s*\{\\?"flops\\?"\s*:\s*(\d+)')
-_CE_BYTES_RE = re.compile(r'\\?"bytes_accessed\\?"\s*:\s*(\d+)')
+_CE_FLOPS_RE = re.compile(r'cost_estimate\\?"\s*:\s*\{\\?"flops\\?"\s*:\s*\\?"?(\d+)')
 # Instructions that move no HBM bytes of their own (XLA's cost analysis gives them none, or
 # their bytes are counted in the computations they call).
 _NO_BYTES = frozenset(
@@ -210,8 +210,8 @@ def _conv_flops(result: str, lhs: str, attrs: str) -> float:
     output/tap pairs on real input (XLA's HloCostAnalysis counts convolutions the same way)."""
     labels = _DIM_LABELS_RE.search(attrs)
     lhs_dims, out_dims = _dims(lhs), _dims(result)
-    if not labels or not lhs_dims or not out_dims:
-        return 2.0 * math.prod(out_dims)
+    if not labels or len(lhs_dims) != len(labels.group(1)) or len(out_dims) != len(labels.group(3)):
+        return 2.0 * math.prod(out_dims)  # shapes not read: at least one MAC per output
     lhs_l, _, out_l = labels.groups()
     groups = _FEATURE_GROUPS_RE.search(attrs)
     in_features = lhs_dims[lhs_l.index("f")] // (int(groups.group(1)) if groups else 1)
@@ -278,6 +278,8 @@ class HloCost:
     """Dot and convolution FLOPs, plus Pallas calls' cost estimates, per step."""
     hbm_bytes: float
     """Bytes read and written by top-level instructions (fusions as units), per step."""
+    top_bytes: tuple[tuple[str, float], ...]
+    """The largest HBM movers: (op name and result shape, bytes per step), largest first."""
     pallas_calls_without_estimate: int
     """Pallas calls whose FLOPs are unknown (no pl.CostEstimate, no shape rule in
     _kernel_flops): counted as 0."""
@@ -376,7 +378,23 @@ def _written(comps: dict[str, _Comp], comp: str, shape: str) -> float:
 
 def hlo_cost(hlo_text: str) -> HloCost:
     """FLOPs and HBM bytes of optimised HLO per step: each computation counted as often as it
-    runs (while bodies trip-count times, fusions as often as their callers)."""
+    runs (while bodies trip-count times, fusions as often as their callers). Text holding
+    several modules (the programs of a step, one after another) is their sum."""
+    modules = re.split(r"\n(?=HloModule )", hlo_text)
+    if len(modules) > 1:
+        costs = [_module_cost(m) for m in modules]
+        top = sorted((kv for c in costs for kv in c.top_bytes), key=lambda kv: -kv[1])[:10]
+        return HloCost(
+            flops=sum(c.flops for c in costs),
+            hbm_bytes=sum(c.hbm_bytes for c in costs),
+            top_bytes=tuple(top),
+            pallas_calls_without_estimate=sum(c.pallas_calls_without_estimate for c in costs),
+        )
+    return _module_cost(hlo_text)
+
+
+def _module_cost(hlo_text: str) -> HloCost:
+    """hlo_cost of one HLO module (instruction names are unique within a module)."""
     lines = hlo_text.splitlines()
     comp_of_line, times = aot._call_multipliers(lines)
     comps, parsed = _parse(lines, comp_of_line)
@@ -389,6 +407,7 @@ def hlo_cost(hlo_text: str) -> HloCost:
             inner.update(_TO_APPLY_RE.findall(p.line))
     flops = hbm = 0.0
     missing = 0
+    movers: dict[str, float] = collections.defaultdict(float)
     for comp, ins in zip(comp_of_line, parsed, strict=True):
         if ins is None:
             continue
@@ -415,6 +434,8 @@ def hlo_cost(hlo_text: str) -> HloCost:
             )
         elif ins.op == "copy-start" and ins.operands:  # reads its operand, writes one copy
             moved = 2 * aot.array_bytes(_shape_of(shapes, ins.operands[0]))[0]
+        elif ins.op in ("dynamic-slice", "slice"):  # reads the slice, writes it
+            moved = 2 * aot.array_bytes(ins.shape)[0]
         elif ins.op == "dynamic-update-slice" and len(ins.operands) > 1:  # in place
             moved = 2 * aot.array_bytes(_shape_of(shapes, ins.operands[1]))[0]
         else:
@@ -422,7 +443,9 @@ def hlo_cost(hlo_text: str) -> HloCost:
                 aot.array_bytes(_shape_of(shapes, o))[0] for o in ins.operands
             )
         hbm += k * moved
-    return HloCost(flops=flops, hbm_bytes=hbm, pallas_calls_without_estimate=missing)
+        movers[f"{ins.op} {ins.name} {re.sub(r'[{].*', '', ins.shape)} x{k}"] += k * moved
+    top = tuple(sorted(movers.items(), key=lambda kv: -kv[1])[:10])
+    return HloCost(flops=flops, hbm_bytes=hbm, top_bytes=top, pallas_calls_without_estimate=missing)
 
 
 # --- the roofline ------------------------------------------------------------------------------

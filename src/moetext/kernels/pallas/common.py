@@ -34,6 +34,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.typing import DTypeLike
 
+from moetext.kernels.pallas import target
+
 # interpret= of pl.pallas_call: False compiles with Mosaic, True runs the generic interpreter,
 # a pltpu.InterpretParams the TPU-faithful one (uninitialised VMEM is NaN, DMAs modelled).
 Interpret = bool | pltpu.InterpretParams
@@ -67,8 +69,11 @@ def pow2_ceil(x: int) -> int:
 
 
 def resolve_interpret(interpret: Interpret | None) -> Interpret:
-    """None: interpret unless jax's default backend is TPU; anything else as given."""
-    return jax.default_backend() != "tpu" if interpret is None else interpret
+    """None: interpret unless jax's default backend is TPU or the kernel is traced for a TPU
+    (`target.compiling_for`, an ahead-of-time compile); anything else as given."""
+    if interpret is not None:
+        return interpret
+    return target.target_chip() is None and jax.default_backend() != "tpu"
 
 
 # --- the visit schedule ------------------------------------------------------------------------

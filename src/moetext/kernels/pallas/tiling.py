@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
+from moetext.kernels.pallas import target
 from moetext.kernels.pallas.common import cdiv, pow2_ceil
 
 Tiling = tuple[int, int, int]
@@ -70,9 +71,12 @@ def check_chip(chip: str) -> str:
 
 
 def resolve_chip(chip: str | None) -> str:
-    """`chip` checked; None: the local TPU's generation, else FALLBACK_CHIP."""
+    """`chip` checked; None: the chip of an enclosing `target.compiling_for`, else the local
+    TPU's generation, else FALLBACK_CHIP."""
     if chip is not None:
         return check_chip(chip)
+    if target.target_chip() is not None:
+        return check_chip(target.target_chip())  # type: ignore[arg-type]
     if jax.default_backend() == "tpu":
         return chip_from_device_kind(jax.devices()[0].device_kind) or FALLBACK_CHIP
     return FALLBACK_CHIP
