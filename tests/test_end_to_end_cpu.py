@@ -4,8 +4,8 @@ tiny DeepSeek-V3 with MTP through train -> kill -9 and resume -> generate -> HF 
 logits), and its checks failing loudly on wrong results.
 
 Budget: the script ~3 min alone on 2 cores (stages a-e measured 102 s; stage f, the SFT, took
-289 s on a host loaded ~6x beyond its cores; stage g, the tiny DeepSeek-V3, 246 s on a host
-loaded ~2.5x beyond its cores), more beside other tests.
+289 s on a host loaded ~6x beyond its cores; stage g, the tiny DeepSeek-V3, 213-246 s on a host
+loaded ~2-2.5x beyond its cores, where the whole script took 468 s), more beside other tests.
 """
 
 from __future__ import annotations
