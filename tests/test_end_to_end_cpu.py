@@ -1,9 +1,11 @@
 """end_to_end/cpu/run_all.sh: the CLIs end to end (prepare -> train -> kill -9 and resume ->
-generate -> HF and back -> logits -> fine-tune on chats -> generate --chat -> HF), and its
-checks failing loudly on wrong results.
+generate -> HF and back -> logits -> fine-tune on chats -> generate --chat -> HF; then the
+tiny DeepSeek-V3 with MTP through train -> kill -9 and resume -> generate -> HF and back ->
+logits), and its checks failing loudly on wrong results.
 
 Budget: the script ~3 min alone on 2 cores (stages a-e measured 102 s; stage f, the SFT, took
-289 s on a host loaded ~6x beyond its cores), more beside other tests.
+289 s on a host loaded ~6x beyond its cores; stage g, the tiny DeepSeek-V3, 213-246 s on a host
+loaded ~2-2.5x beyond its cores, where the whole script took 468 s), more beside other tests.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ STAGES = (
     "(d) generate",
     "(e) convert",
     "(f) fine-tune",
+    "(g) tiny-deepseek-v3",
 )
 
 
@@ -38,7 +41,7 @@ def test_run_all_passes_every_stage_and_writes_only_under_its_temp_dir(tmp_path)
     env = {k: v for k, v in os.environ.items() if k not in ("MOETEXT_DATA_DIR", "KEEP")}
     env.update(TMPDIR=str(tmp), HOME=str(home))
     run = subprocess.run(
-        ["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=1200
+        ["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=1500
     )
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-5000:]
@@ -48,7 +51,8 @@ def test_run_all_passes_every_stage_and_writes_only_under_its_temp_dir(tmp_path)
         at = next((i for i, line in enumerate(lines) if line.startswith(f"== {stage}")), None)
         assert at is not None, f"stage {stage} not run:\n{run.stdout}"
         assert any(line.startswith("   ok (") for line in lines[at + 1 :]), stage
-    assert "final params bit-identical" in run.stdout
+    assert run.stdout.count("final params bit-identical") == 2  # (c) Qwen3, (g) DeepSeek-V3
+    assert "MTP module included" in run.stdout
     assert lines[-1].startswith("all stages passed in ")
     # Cleaned on exit (KEEP unset), and nothing written outside the work dir.
     assert list(tmp.iterdir()) == [] and list(home.iterdir()) == []

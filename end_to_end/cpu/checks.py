@@ -123,7 +123,21 @@ def trained(args: argparse.Namespace) -> str:
     ckpts = complete_checkpoints(run)
     check(bool(ckpts) and ckpts[-1] == args.steps, f"checkpoints {ckpts}, want the last at N")
     check((run / "tokenizer").is_dir() and (run / "config.yml").exists(), "run dir incomplete")
-    return f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, eval {evals[-1]:.4f}, checkpoints {ckpts}"
+    mtp = ""
+    if args.mtp:
+        # Multi-token prediction on (model.mtp_layers > 0): its loss is logged on every step,
+        # finite, and learnt like the main one (it predicts the token after the next).
+        logged = [r.get("mtp_loss") for r in got]
+        check(
+            all(x is not None and math.isfinite(x) for x in logged),
+            f"mtp_loss logged as {logged[:5]}",
+        )
+        m = [float(x) for x in logged if x is not None]
+        check(m[-1] < m[0] - 0.5, f"mtp_loss did not fall: {m[0]:.4f} -> {m[-1]:.4f}")
+        mtp = f", mtp_loss {m[0]:.4f} -> {m[-1]:.4f}"
+    return (
+        f"loss {losses[0]:.4f} -> {losses[-1]:.4f}{mtp}, eval {evals[-1]:.4f}, checkpoints {ckpts}"
+    )
 
 
 # ---- (c) kill -9 and resume ----------------------------------------------------------------
@@ -184,7 +198,7 @@ def resumed(args: argparse.Namespace) -> str:
     check(steps == list(range(1, args.steps + 1)), f"logged steps {steps}, want 1..{args.steps}")
     # Bit for bit, on every step: the same compiled program, optimizer state, RNG and data
     # position. JSON floats round-trip exactly, so == compares the float32 values.
-    keys = ("loss", "grad_norm", "eval_loss")
+    keys = ("loss", "grad_norm", "eval_loss", "mtp_loss")  # mtp_loss: None when MTP is off
     want = {r["step"]: [r.get(k) for k in keys] for r in step_rows(ref)}
     bad = [(r["step"], [r.get(k) for k in keys], want.get(r["step"])) for r in got]
     bad = [b for b in bad if b[1] != b[2]]
@@ -201,7 +215,9 @@ def resumed(args: argparse.Namespace) -> str:
 
 def _params(step_dir: Path) -> dict[str, Any]:
     """A checkpoint's params as {path: numpy array}, read with the loader runs use
-    (checkpoint.load_params_from), under the config saved in the checkpoint."""
+    (checkpoint.load_params_from), under the config saved in the checkpoint; its model state
+    (a router's selection bias, which routes tokens as much as the params do) too, as
+    "model_state" + path, when the checkpoint has one."""
     import jax
     import numpy as np
 
@@ -209,11 +225,17 @@ def _params(step_dir: Path) -> dict[str, Any]:
     from moetext.checkpoint import read_meta_config
 
     cfg = read_meta_config(step_dir)
-    state = checkpoint.load_params(
-        str(step_dir), cfg, program.params_target(cfg, program.make_plan(cfg))
-    )
+    plan = program.make_plan(cfg)
+    state = checkpoint.load_params(str(step_dir), cfg, program.params_target(cfg, plan))
     leaves = jax.tree_util.tree_flatten_with_path(state)[0]
-    return {jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves}
+    out = {jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves}
+    model_state = checkpoint.load_model_state(
+        str(step_dir), cfg, program.model_state_target(cfg, plan)
+    )
+    if model_state is not None:
+        for k, v in jax.tree_util.tree_flatten_with_path(model_state)[0]:
+            out["model_state" + jax.tree_util.keystr(k)] = np.asarray(v)
+    return out
 
 
 def _tree_difference(a: dict[str, Any], b: dict[str, Any]) -> str:
@@ -264,7 +286,18 @@ def hf_roundtrip(args: argparse.Namespace) -> str:
     diff = _tree_difference(_params(Path(args.checkpoint)), _params(Path(args.orbax)))
     check(not diff, f"hf-to-orbax did not give back the run's params: {diff}")
     n = sum(x.size for x in a.values())
-    return f"{len(a)} tensors ({n} float32 values) bit-identical; orbax params bit-identical"
+    mtp = ""
+    if args.mtp:
+        # The MTP module went out and came back (the params comparison above includes it),
+        # laid out as released DeepSeek-V3 checkpoints: after the decoder layers.
+        depths, layers = ca.get("num_nextn_predict_layers"), ca.get("num_hidden_layers")
+        check(bool(depths), f"config.json num_nextn_predict_layers is {depths!r}, want >= 1")
+        names = [f"model.layers.{layers}.{t}.weight" for t in ("eh_proj", "enorm", "hnorm")]
+        missing = [x for x in names if x not in a]
+        check(not missing, f"the HF export lacks the MTP tensors {missing}")
+        count = sum(k.startswith(f"model.layers.{layers}.") for k in a)
+        mtp = f", MTP module included ({count} tensors)"
+    return f"{len(a)} tensors ({n} float32 values) bit-identical; orbax params bit-identical{mtp}"
 
 
 def logits(args: argparse.Namespace) -> str:
@@ -300,13 +333,17 @@ def _run_model(config: Path, step_dir: Path) -> Any:
     from moetext import config as config_lib
 
     cfg = config_lib.load(config)
-    target = program.params_target(cfg, program.make_plan(cfg))
-    params = checkpoint.load_params(str(step_dir), cfg, target)
+    plan = program.make_plan(cfg)
+    params = checkpoint.load_params(str(step_dir), cfg, program.params_target(cfg, plan))
+    # The model state (a router's selection bias): the checkpoint's, else a new model's.
+    state = checkpoint.load_model_state(str(step_dir), cfg, program.model_state_target(cfg, plan))
+    if state is None:
+        state = program.initial_model_state(cfg, plan)
     abstract = nnx.eval_shape(
         lambda: models.build(cfg.model, cfg.moe, cfg.kernels, rngs=nnx.Rngs(params=0))
     )
-    graphdef, _, rest = nnx.split(abstract, nnx.Param, ...)  # type: ignore[misc]
-    return nnx.merge(graphdef, params, rest)
+    graphdef, _, _, rest = nnx.split(abstract, nnx.Param, models.ModelState, ...)  # type: ignore[misc]
+    return nnx.merge(graphdef, params, state, rest)
 
 
 # ---- (f) fine-tune on conversations --------------------------------------------------------
@@ -411,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     s = add("trained", trained)
     s.add_argument("run_dir")
     s.add_argument("steps", type=int)
+    s.add_argument("--mtp", action="store_true", help="assert mtp_loss is logged and falls")
     s = add("wait-checkpoint", wait_checkpoint)
     s.add_argument("run_dir")
     s.add_argument("pid", type=int)
@@ -432,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("orbax")
     s.add_argument("hf_b")
     s.add_argument("checkpoint")
+    s.add_argument("--mtp", action="store_true", help="assert the MTP module is exported")
     s = add("logits", logits)
     s.add_argument("config")
     s.add_argument("checkpoint")

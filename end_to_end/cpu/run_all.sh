@@ -8,6 +8,8 @@
 #   (e) orbax -> HF safetensors -> orbax -> HF: bit-exact; HF model logits == run model logits
 #   (f) fine-tune the final checkpoint on generated conversations (assistant-only loss), answer
 #       held-out questions with generate --chat, export to HF and compare logits
+#   (g) tiny-deepseek-v3 (MLA, MTP on) on (a)'s corpus: (b) and (c) in 20 steps (mtp_loss asserted),
+#       (d), and (e) with the MTP module through the round trip
 # ~2.5-3 min on 2 CPU cores (measured 77-102 s for (a)-(e) on a shared machine). Writes only under a
 # `mktemp -d` directory (data, runs, conversions, TMPDIR, caches), removed on exit unless KEEP=1:
 #   bash end_to_end/cpu/run_all.sh    # KEEP=1 keeps the work dir; STEPS=N (a multiple of 20)
@@ -135,6 +137,56 @@ echo "   $out"
 run "$WORK/sft_to_hf.log" "$PY" -m moetext.convert orbax-to-hf --checkpoint "$SFT_CKPT" \
   --out "$WORK/sft_hf"
 out=$("$PY" "$CHECKS" logits "$WORK/sft/config.yml" "$SFT_CKPT" "$WORK/sft_hf") \
+  || fail "see above"
+passed "$out"
+
+# The second model family: DeepSeek-V3's architecture (MLA, dense first layer, shared expert,
+# group-limited sigmoid routing, multi-token prediction) on stage (a)'s corpus, through (b)-(e)'s
+# checks with fewer steps. MTP is on: mtp_loss is asserted on every step and its module goes
+# through the HF round trip (checkpoints carry it; transformers' model ignores it).
+DS_STEPS=20
+DS_TRAIN=("$PY" -m train "$REPO/configs/models/tiny-deepseek-v3.yml"
+  "data.data_dir=$WORK/data" "train.steps=$DS_STEPS" "train.log_every=1" "train.eval_every=10"
+  "checkpoint.every=5" "checkpoint.async_save=true" "train.progress_bar=false"
+  "train.peak_tflops=1.0")
+stage "(g) tiny-deepseek-v3 (MTP on): train, kill -9 and resume, generate, HF and back"
+run "$WORK/ds_ref.log" "${DS_TRAIN[@]}" "train.run_dir=$WORK/ds_ref"
+grep -q "preparing" "$WORK/ds_ref.log" && fail "training prepared the corpus again (not stage a's)"
+out=$("$PY" "$CHECKS" trained "$WORK/ds_ref" "$DS_STEPS" --mtp) || fail "see above"
+echo "   reference: $out"
+"${DS_TRAIN[@]}" "train.run_dir=$WORK/ds_run" >"$WORK/ds_killed.log" 2>&1 &
+TRAIN_PID=$!
+out=$("$PY" "$CHECKS" wait-checkpoint "$WORK/ds_run" "$TRAIN_PID" "$DS_STEPS") \
+  || { tail -n 30 "$WORK/ds_killed.log" >&2; fail "see above"; }
+kill -9 "$TRAIN_PID"
+rc=0; wait "$TRAIN_PID" || rc=$?
+TRAIN_PID=""
+[[ $rc == 137 ]] || fail "the killed run exited $rc, not 137 (SIGKILL)"
+echo "   killed with SIGKILL at: $out"
+from=$("$PY" "$CHECKS" killed "$WORK/ds_run" "$DS_STEPS") || fail "see above"
+run "$WORK/ds_resume.log" "${DS_TRAIN[@]}" "train.run_dir=$WORK/ds_run"
+out=$("$PY" "$CHECKS" resumed "$WORK/ds_run" "$WORK/ds_ref" "$DS_STEPS" "$from") \
+  || fail "see above"
+echo "   $out"
+DS_CKPT="$WORK/ds_run/checkpoints/$DS_STEPS"
+rc=0
+"$PY" -m moetext.generate "$WORK/ds_run/config.yml" --checkpoint "$DS_CKPT" --jsonl \
+  --prompt "def fibonacci(" --prompt "The with statement" --max_new_tokens 20 \
+  --temperature 0.7 --seed 0 \
+  >"$WORK/ds_generated.jsonl" 2>"$WORK/ds_generate.log" || rc=$?
+[[ $rc == 0 ]] || { tail -n 30 "$WORK/ds_generate.log" >&2; fail "moetext.generate exited $rc"; }
+out=$("$PY" "$CHECKS" generated "$WORK/ds_generated.jsonl" 2) || fail "see above"
+echo "   $out"
+run "$WORK/ds_to_hf.log" "$PY" -m moetext.convert orbax-to-hf --checkpoint "$DS_CKPT" \
+  --out "$WORK/ds_hf"
+run "$WORK/ds_to_orbax.log" "$PY" -m moetext.convert hf-to-orbax --hf "$WORK/ds_hf" \
+  --out "$WORK/ds_orbax"
+run "$WORK/ds_to_hf2.log" "$PY" -m moetext.convert orbax-to-hf --checkpoint "$WORK/ds_orbax" \
+  --out "$WORK/ds_hf2"
+out=$("$PY" "$CHECKS" hf-roundtrip "$WORK/ds_hf" "$WORK/ds_orbax" "$WORK/ds_hf2" "$DS_CKPT" \
+  --mtp) || fail "see above"
+echo "   $out"
+out=$("$PY" "$CHECKS" logits "$WORK/ds_run/config.yml" "$DS_CKPT" "$WORK/ds_hf") \
   || fail "see above"
 passed "$out"
 
