@@ -184,7 +184,9 @@ def test_cli_prints_the_report_and_writes_json_and_hlo(tmp_path):
     assert "step cost per device (compiler-derived estimates on v5p peaks" in out.stdout
     for key in ("model_flops", "compiled_flops", "hbm_bytes_accessed", "ici_bytes"):
         assert r[key] > 0, key
-    assert r["compiled_flops"] >= r["model_flops"]  # remat recomputes, never skips
+    # The tiny config has no remat: the compiled step does the model's FLOPs (measured 0.997x:
+    # the Mosaic kernels' cost estimates count their groups' rows, the model K per token).
+    assert 0.95 <= r["recompute_ratio"] <= 1.1, r["recompute_ratio"]
     assert 0 < r["step_s_low"] <= r["step_s_high"] and 0 < r["mfu_low"] <= r["mfu_high"] < 1
     assert r["hbm_bytes"] == 95 * 2**30  # hbm_bytes keeps meaning the capacity
 
