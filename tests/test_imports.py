@@ -47,7 +47,19 @@ LAYERS: dict[str, set[str]] = {
         "models",
         "program",
     },
-    "aot": {"errors", "paths", "config", "kernels", "sharding", "models", "optim", "program"},
+    # data: the compiled step takes the batch structure the data kind yields (batch_keys).
+    "aot": {
+        "errors",
+        "paths",
+        "config",
+        "kernels",
+        "sharding",
+        "models",
+        "optim",
+        "data",
+        "program",
+    },
+    "step_cost": {"errors", "aot"},
     "convert": {"errors", "paths", "config", "models", "checkpoint"},
     "generate": {
         "errors",
