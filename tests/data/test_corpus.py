@@ -81,6 +81,11 @@ def test_ensure_prepares_once_then_hits_the_cache(monkeypatch, tmp_path, capsys)
     _, smallest = corpus.ensure_python_docs(vocab_size=300)
     assert 300 < load_tokenizer(smallest).vocab_size < 400
     assert not os.path.exists(os.path.join(dataset_dir, "tokenizer-v300.model"))
+    # A copy from an older CORPUS_FORMAT (here: the code moves one format on) is rebuilt,
+    # tokenizers included: the tokenizer the old copy had is trained again, not assumed.
+    monkeypatch.setattr(corpus, "CORPUS_FORMAT", corpus.CORPUS_FORMAT + 1)
+    assert corpus.ensure_python_docs(vocab_size=512) == (dataset_dir, tok_path)
+    assert load_tokenizer(tok_path).vocab_size == 512
 
 
 def test_concurrent_first_uses_prepare_once(monkeypatch, tmp_path):

@@ -166,8 +166,8 @@ def ensure_python_docs(
                 file=sys.stderr,
             )
         if need_text:
-            _prepare_text(data_dir, version)
-        if need_tokenizer:
+            _prepare_text(data_dir, version)  # replaces an older copy, its tokenizers included
+        if need_text or need_tokenizer:
             tokenizer = _train_tokenizer(dataset_dir, vocab)
     return dataset_dir, tokenizer
 
