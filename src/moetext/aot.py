@@ -581,10 +581,7 @@ def compile_decode_step(
 
     jitted = jax.jit(step, donate_argnums=(3,))
     t0 = time.perf_counter()
-    # Not yet inside pallas_target.compiling_for: the decode step's gmm fails Mosaic lowering
-    # there (KeyError 'eval_jaxpr' in jax's lowering cache), so its kernels are still lowered
-    # through the interpreter (docs/performance.md, TPU step cost).
-    with plan.rules():
+    with plan.rules(), pallas_target.compiling_for(chip_of_topology(topology)):
         lowered = jitted.lower(abstract_params, tokens, tokens, caches, slot, first_valid)
     t1 = time.perf_counter()
     compiled = lowered.compile()

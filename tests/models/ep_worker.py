@@ -7,6 +7,8 @@ tests/fake_devices.py starts it in a fresh interpreter) and prints one line `RES
   aux loss and gradient against the single-shard block ("rel"), and what ran (all-to-all,
   shard_map, layout): EP = 2/4/8, tokens sharded without EP, FP8 with and without QAG, fused
   gate/up, and the TPU ("ragged") exchange with its collective emulated from all_gather;
+- "decode": the prefused decode path's grouped matmuls under sharded rules (per-shard dispatch,
+  token counts the shards do not divide) against the single-shard block's output;
 - "indivisible": the error for 8 experts on 3 expert shards;
 - "train": the tiny config's first train loss (and mesh) per sharding preset and FP8 setting.
 """
@@ -33,6 +35,7 @@ from moetext import config, program
 from moetext import data as data_lib
 from moetext.config.schema import KernelsConfig, MoEConfig
 from moetext.models.moe import MoEBlock, ep, gmm_from_config
+from moetext.models.moe import decode as moe_decode
 from moetext.program.step import make_loss_fn
 from moetext.sharding import logical
 from moetext.sharding.rules import load_preset
@@ -195,6 +198,28 @@ def check_fused_gate_up(block: Block, ref: Named) -> dict[str, Any]:
     return out
 
 
+def check_decode(block: Block) -> dict[str, Any]:
+    """The prefused block's grouped decode path (GATHER_BELOW = 0) under fsdp4 and ep4 rules,
+    on all 32 tokens and on 3 (padded to the shards inside), against the unsharded forward."""
+    prefused = nnx.merge(block.graphdef, block.params)
+    moe_decode.prefuse(prefused.experts)
+    gd, params = nnx.split(prefused)
+    moe_decode.GATHER_BELOW = 0
+    out: dict[str, Any] = {}
+    for name, preset, shape in (("fsdp4", "fsdp", (1, 4, 1, 1)), ("ep4", "fsdp_ep", (2, 1, 4, 1))):
+        for tokens, x in (("T32", block.x), ("T3", block.x[:3, :1])):
+            want = np.asarray(nnx.merge(block.graphdef, block.params)(x)[0], np.float64)
+            with logical.use_rules(mesh_of(shape), load_preset(preset).rules):
+                lowered = jax.jit(lambda p, x: nnx.merge(gd, p).decode(x)).lower(params, x)
+                got = np.asarray(lowered.compile()(params, x), np.float64)
+            out[f"{name}_{tokens}"] = {
+                "rel": float(np.max(np.abs(got - want)) / np.max(np.abs(want))),
+                "manual": uses_shard_map(lowered.as_text()),
+            }
+    moe_decode.GATHER_BELOW = None
+    return out
+
+
 @contextmanager
 def emulated_ragged_exchange(calls: list[str]) -> Iterator[None]:
     """ep's TPU exchange ("ragged") on CPU, with ragged_all_to_all (no XLA:CPU lowering)
@@ -320,6 +345,7 @@ def main() -> None:
     with logical.use_rules(mesh_of((1, 1, 1, 1)), load_preset("fsdp").rules):
         res["block"]["one_device_layout"] = repr(ep.layout_from_context(CFG.num_experts))
     res["block"]["ep4_ragged"] = check_ragged_exchange(block, ref)
+    res["decode"] = check_decode(block)
     res["indivisible"] = indivisible_error(block)
     res["train"] = check_train()
     print("RESULT " + json.dumps(res), flush=True)

@@ -187,3 +187,12 @@ def test_fused_gate_up_matches_separate_gmms(results, name):
     bad = {k: v for k, v in rel.items() if not v <= REL_TOL}
     assert not bad, bad
     assert any(k.startswith("grad_experts.w_up") for k in rel)
+
+
+@pytest.mark.parametrize("name", ["fsdp4_T32", "fsdp4_T3", "ep4_T32", "ep4_T3"])
+def test_sharded_decode_runs_the_grouped_path_per_shard(results, name):
+    # Decoding's grouped path (prefill) under rules that split tokens or experts runs in a
+    # shard_map like training's dispatch: a Mosaic gmm cannot be partitioned by XLA, so a
+    # global call would not compile on a multi-chip TPU. Same f32 rounding sources as above.
+    r = results["decode"][name]
+    assert r["manual"] and r["rel"] <= REL_TOL, r

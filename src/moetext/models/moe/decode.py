@@ -12,12 +12,17 @@ Legend: T tokens, K experts per token, E experts, D emb_dim, F moe_intermediate_
   K of E experts per token (for Qwen3-30B-A3B, 8 of 128), at most E slabs in all, where the
   grouped matmuls read every expert;
 - `grouped` (prefill, many tokens): sort the T * K assignments by expert, one grouped matmul
-  against w_gate_up, SwiGLU on its two halves, one grouped matmul against w_down.
+  against w_gate_up, SwiGLU on its two halves, one grouped matmul against w_down. Under sharding
+  rules that split the tokens or the experts over the mesh, the rows go through the training
+  layer's per-shard dispatch instead (`ep.dropless`, a shard_map): XLA cannot partition a Mosaic
+  kernel, so a grouped matmul over global arrays would not compile on a multi-chip TPU.
 
 Both equal the training layer's dropless forward (tests/models/test_moe_decode.py).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +32,7 @@ from jax.typing import DTypeLike
 from moetext.kernels.gmm import Gmm
 from moetext.models.layers.rowdot import dot_rows
 from moetext.models.moe import dispatch as dsp
+from moetext.models.moe import ep
 from moetext.models.moe.experts import Experts
 
 # The gathered path runs while T * K (token, expert) rows are fewer than this; None: E + 1, so
@@ -115,4 +121,22 @@ def expert_outputs(
     below = w_gu.shape[0] + 1 if GATHER_BELOW is None else GATHER_BELOW
     if ids_TK.size < below:
         return gathered(x_TD, ids_TK, w_gu, w_down, dtype)
-    return grouped(x_TD, ids_TK, w_gu, w_down, gmm, dtype)
+    layout = ep.layout_from_context(w_gu.shape[0])
+    if layout is None:
+        return grouped(x_TD, ids_TK, w_gu, w_down, gmm, dtype)
+    return sharded(layout, x_TD, ids_TK, experts, gmm)
+
+
+def sharded(
+    layout: ep.EPLayout, x_TD: jax.Array, ids_TK: jax.Array, experts: Experts, gmm: Gmm
+) -> jax.Array:
+    """y_TKD through the per-shard dispatch of `layout` (`ep.dropless`; gate and up are the
+    halves of w_gate_up). T is padded to a multiple of the token shards with rows of expert 0
+    (a prompt of any length, a batch of any size), whose outputs are dropped."""
+    t = x_TD.shape[0]
+    shards = math.prod(layout.mesh.shape[a] for a in layout.token_axes)
+    pad = -t % shards
+    if pad:
+        x_TD = jnp.pad(x_TD, ((0, pad), (0, 0)))
+        ids_TK = jnp.pad(ids_TK, ((0, pad), (0, 0)))
+    return ep.dropless(layout, x_TD, ids_TK, experts, gmm)[:t]
