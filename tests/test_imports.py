@@ -16,6 +16,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "moetext"
 LAYERS: dict[str, set[str]] = {
     "errors": set(),
     "paths": {"errors"},  # user paths resolved and checked at the boundary (every CLI)
+    # Reading compiled programs' HLO text: collectives, loops and their trip counts.
+    "hlo": set(),
     "config": {"errors", "paths"},
     "kernels": {"errors", "paths", "config"},
     "sharding": {"errors", "paths", "config"},
@@ -58,8 +60,9 @@ LAYERS: dict[str, set[str]] = {
         "optim",
         "data",
         "program",
+        "hlo",
     },
-    "step_cost": {"errors", "aot"},
+    "step_cost": {"errors", "aot", "hlo"},
     "convert": {"errors", "paths", "config", "models", "checkpoint"},
     "generate": {
         "errors",

@@ -15,16 +15,15 @@ tests take their devices from `tpu_devices`.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jax
 
+from moetext.hlo import collectives
 from moetext.kernels.pallas import target as pallas_target
 
 if TYPE_CHECKING:
@@ -46,64 +45,6 @@ HBM_GIB: dict[str, float] = {
 # A small topology per chip generation (the chip names of kernels/gmm/tiling.py): what the
 # kernel tests and benchmarks compile one chip of.
 TOPOLOGY_BY_CHIP = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v5p": "v5p:2x2x1", "tpu7x": "tpu7x:2x2x1"}
-DTYPE_BYTES: dict[str, float] = {
-    "pred": 1,
-    "s4": 0.5,
-    "u4": 0.5,
-    "s8": 1,
-    "u8": 1,
-    "f8e4m3fn": 1,
-    "f8e5m2": 1,
-    "s16": 2,
-    "u16": 2,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-    "c64": 8,
-    "c128": 16,
-}
-COLLECTIVES = (
-    "all-gather",
-    "reduce-scatter",
-    "all-reduce",
-    "ragged-all-to-all",
-    "all-to-all",
-    "collective-permute",
-)
-_OP_RE = re.compile(
-    r"=\s*(?P<shape>\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
-    r"(?P<op>" + "|".join(COLLECTIVES) + r")(?:-start)?\("
-)
-_ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
-_COMP_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
-_CALL_RE = re.compile(
-    r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
-)
-# Computation lists: a conditional's branches, an async op's wrapped computations.
-_CALL_LIST_RE = re.compile(r"\b(branch_computations|called_computations)=\{([^}]*)\}")
-_TRIP_RE = re.compile(r'known_trip_count"?\s*[:=]\s*\{\s*"?n"?\s*[:=]\s*"?(\d+)')
-# Replica groups as XLA prints them: over named mesh axes, as an iota list, or explicit.
-_MESH_GROUPS_RE = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
-_IOTA_GROUPS_RE = re.compile(r"replica_groups=\[[0-9,]*?(\d+)\]<=")
-_LIST_GROUPS_RE = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
-_PARTITIONS_RE = re.compile(r"num_partitions=(\d+)")
-# Bytes each chip sends per result byte, by collective, for ring algorithms over a group of g
-# chips: all-gather (g-1)/g of its result, reduce-scatter g-1 times its (1/g-size) result,
-# all-reduce twice (g-1)/g (a reduce-scatter, then an all-gather). An estimate that compares
-# collective forms (an all-reduce moves twice a reduce-scatter's bytes), not a wire count.
-_SENT_PER_RESULT_BYTE = {
-    "all-gather": lambda g: (g - 1) / g,
-    "reduce-scatter": lambda g: g - 1.0,
-    "all-reduce": lambda g: 2 * (g - 1) / g,
-    # per byte of the full-size all-reduce inside the fusion: a reduce-scatter of that input
-    "all-reduce-scatter": lambda g: (g - 1) / g,
-    "all-to-all": lambda g: (g - 1) / g,
-}
 
 
 class TopologyError(ValueError):
@@ -153,123 +94,6 @@ def hbm_bytes(topology: str) -> int:
             f"unknown TPU generation {gen!r} in {topology!r}; known: {sorted(HBM_GIB)}"
         )
     return int(HBM_GIB[gen] * GiB)
-
-
-# --- collectives in optimised HLO text ---------------------------------------------------------
-
-
-def array_bytes(shape_text: str) -> tuple[float, list[str]]:
-    """Bytes of an HLO result shape such as bf16[128,2048]{1,0} or a tuple of them."""
-    total, dtypes = 0.0, []
-    for dtype, dims in _ARRAY_RE.findall(shape_text):
-        n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-        total += n * DTYPE_BYTES.get(dtype, 4)
-        dtypes.append(dtype)
-    return total, dtypes
-
-
-def _call_multipliers(lines: list[str]) -> tuple[list[str | None], dict[str, int]]:
-    """Computation of each line, and how often each computation runs per step: a while body
-    runs trip-count times per run of its caller; fusions, async wrappers and each branch of a
-    conditional (an upper bound: one of them runs) as often as their callers."""
-    comp_of_line: list[str | None] = []
-    current: str | None = None
-    body_of: dict[str | None, list[str]] = defaultdict(list)
-    for line in lines:
-        m = _COMP_RE.match(line.strip())
-        if m:
-            current = m.group(1)
-        comp_of_line.append(current)
-        body_of[current].append(line)
-    callers: dict[str, list[tuple[str | None, int]]] = defaultdict(list)
-    for line, comp in zip(lines, comp_of_line, strict=True):
-        for key, callee in _CALL_RE.findall(line):
-            n = _trip_count(line, body_of) if key == "body" else 1
-            callers[callee].append((comp, n))
-        for _, names in _CALL_LIST_RE.findall(line):
-            # Every branch of a conditional counted as run (an upper bound: one runs).
-            for callee in re.findall(r"%?([\w.\-]+)", names):
-                callers[callee].append((comp, 1))
-
-    memo: dict[str, int] = {}
-
-    def times(comp: str | None, depth: int = 0) -> int:
-        if comp is None or comp not in callers or depth > 64:
-            return 1  # ENTRY (or a computation nothing calls)
-        if comp not in memo:
-            memo[comp] = sum(times(c, depth + 1) * n for c, n in callers[comp])
-        return memo[comp]
-
-    return comp_of_line, {c: times(c) for c in set(comp_of_line) if c is not None}
-
-
-def _trip_count(while_line: str, body_of: dict[str | None, list[str]]) -> int:
-    """known_trip_count when XLA recorded it, else the loop bound: the one integer constant in
-    the condition computation (scan loops count from 0 while i < n)."""
-    t = _TRIP_RE.search(while_line)
-    if t:
-        return int(t.group(1))
-    cond = re.search(r"condition=%?([\w.\-]+)", while_line)
-    consts = [
-        int(c.group(1))
-        for line in body_of.get(cond.group(1) if cond else None, [])
-        if (c := re.search(r"=\s*s(?:32|64)\[\][^ ]*\s+constant\((\d+)\)", line))
-    ]
-    return consts[0] if len(consts) == 1 else 1
-
-
-def group_size(line: str, partitions: int) -> int:
-    """The size of a collective's replica groups, read from its HLO line (all `partitions`
-    devices when it lists none)."""
-    m = _MESH_GROUPS_RE.search(line)
-    if m:
-        sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
-        return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", m.group(2)))
-    m = _IOTA_GROUPS_RE.search(line)
-    if m:
-        return int(m.group(1))
-    m = _LIST_GROUPS_RE.search(line)
-    if m:
-        return len([x for x in m.group(1).split(",") if x])
-    return partitions
-
-
-def collectives(hlo_text: str, *, by: str = "dtype") -> dict[tuple[str, str], dict[str, float]]:
-    """(op, element types) -> count, bytes (of the results) and sent (bytes each chip sends, a
-    ring-algorithm estimate: _SENT_PER_RESULT_BYTE; the result bytes for a permute or ragged
-    all-to-all) per step; ops inside a while body (the layer scan), or in computations it calls,
-    count once per known trip. by="shape" keys on the result shape instead (e.g.
-    f8e4m3fn[8,2048,768]: which arrays cross the wire)."""
-    lines = hlo_text.splitlines()
-    comp_of_line, times = _call_multipliers(lines)
-    parts = _PARTITIONS_RE.search(hlo_text)
-    partitions = int(parts.group(1)) if parts else 1
-    out: dict[tuple[str, str], dict[str, float]] = defaultdict(
-        lambda: {"count": 0, "bytes": 0.0, "sent": 0.0}
-    )
-    for line, comp in zip(lines, comp_of_line, strict=True):
-        m = _OP_RE.search(line)
-        if not m or "-done(" in line:
-            continue
-        nbytes, dtypes = array_bytes(m.group("shape"))
-        op = m.group("op")
-        if op == "all-reduce" and comp is not None and comp.startswith("all-reduce-scatter"):
-            # XLA:TPU's fused form of a reduce-scatter: an all-reduce and a dynamic-slice in a
-            # computation of this name, run by the same emitter as its reduce-scatter ops
-            # ("SingleInputAllReduceScatterFusion", a ring): a reduce-scatter on the wire.
-            op = "all-reduce-scatter"
-        if by == "shape":
-            shapes = [f"{dt}[{dims}]" for dt, dims in _ARRAY_RE.findall(m.group("shape"))]
-            key = (op, ",".join(shapes))
-        else:
-            key = (op, ",".join(sorted(set(dtypes))))
-        k = times.get(comp, 1) if comp is not None else 1
-        per_byte = _SENT_PER_RESULT_BYTE.get(op)
-        sent = nbytes * (per_byte(group_size(line, partitions)) if per_byte else 1.0)
-        out[key]["count"] += k
-        out[key]["bytes"] += k * nbytes
-        out[key]["sent"] += k * sent
-    return dict(out)
 
 
 # --- the train step ----------------------------------------------------------------------------
@@ -436,6 +260,7 @@ def report(step: CompiledStep) -> dict[str, Any]:
     hlo = hlo_text(compiled)
     coll = collectives(hlo)
     by_shape = sorted(collectives(hlo, by="shape").items(), key=lambda kv: -kv[1]["bytes"])
+    by_axis = collectives(hlo, by="axis", mesh_shape=dict(b.mesh.shape))
     return {
         "topology": step.topology,
         "chips": chips,
@@ -454,6 +279,9 @@ def report(step: CompiledStep) -> dict[str, Any]:
         "compile_s": step.compile_s,
         "collectives": [{"op": op, "dtypes": dt, **v} for (op, dt), v in sorted(coll.items())],
         "collectives_by_shape": [{"op": op, "shapes": sh, **v} for (op, sh), v in by_shape],
+        "collectives_by_axis": [
+            {"op": op, "axes": ax, **v} for (op, ax), v in sorted(by_axis.items())
+        ],
     }
 
 
@@ -505,6 +333,12 @@ def format_report(r: dict[str, Any]) -> str:
     for c in r["collectives"]:
         lines.append(
             f"  {c['op']:<20}{c['dtypes']:<12}{c['count']:>6} x  {g(c['bytes'])} total, "
+            f"{g(c['sent']).strip()} sent"
+        )
+    lines.append("collectives by the mesh axes their device groups span:")
+    for c in r.get("collectives_by_axis", []):
+        lines.append(
+            f"  {c['op']:<20}{c['axes']:<20}{c['count']:>6} x  {g(c['bytes'])} total, "
             f"{g(c['sent']).strip()} sent"
         )
     lines.append("largest collectives by result shape:")

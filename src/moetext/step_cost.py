@@ -6,13 +6,13 @@ These are compiler-derived ESTIMATES, not timings. Nothing here ran on a TPU.
 - `hlo_cost(hlo_text)`: the FLOPs and HBM bytes the optimised HLO executes per step. XLA's own
   cost analysis counts a while body once, and pod configs scan their layers, so this walks the
   HLO itself and multiplies every computation by how often it runs (the trip counts of
-  aot._call_multipliers, as the collectives count does): FLOPs of every dot and convolution
+  hlo.call_multipliers, as the collectives count does): FLOPs of every dot and convolution
   (2 x result elements x contracted elements) plus each Pallas call's own `pl.CostEstimate`
   (MaxText's kernels carry none: their useful FLOPs from their shapes, `_kernel_flops`);
   HBM bytes as XLA's cost analysis defines them (each top-level instruction reads its operands
   and writes its result; a fusion's internals stay on chip).
 - `roofline(...)`: compute = FLOPs / peak, HBM = bytes / bandwidth, interconnect = the ring
-  estimate of bytes each chip sends (aot.collectives' `sent`) / the bandwidth of the two links
+  estimate of bytes each chip sends (hlo.collectives' `sent`) / the bandwidth of the two links
   a ring on one torus axis uses. Lower bound: everything overlaps, max(compute, HBM, ICI);
   upper bound: the interconnect exposed, max(compute, HBM) + ICI. MFU at each bound is the
   model FLOPs (models/flops.py) over peak x that time.
@@ -31,7 +31,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from moetext import aot
+from moetext import aot, hlo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +167,7 @@ def _shape_of(shapes: dict[str, str], operand: str) -> str:
 
 
 def _dims(shape_text: str) -> list[int]:
-    m = aot._ARRAY_RE.search(shape_text)
+    m = hlo.ARRAY_RE.search(shape_text)
     if not m or not m.group(2):
         return []
     return [int(d) for d in m.group(2).split(",")]
@@ -250,7 +250,7 @@ def _kernel_flops(ins: _Instr) -> float | None:
     layouts = _LAYOUTS_RE.search(ins.line)
     ops = [
         [int(d) for d in dims.split(",") if d]
-        for _, dims in aot._ARRAY_RE.findall(layouts.group(1) if layouts else "")
+        for _, dims in hlo.ARRAY_RE.findall(layouts.group(1) if layouts else "")
     ]
     out = _dims(ins.shape)
     name = ins.name.split(".")[0]
@@ -341,7 +341,7 @@ def _param_read(
     read = 0.0
     for u in c.users.get(name, []):
         if u.op == "dynamic-slice" and u.operands[0] == name:
-            read += aot.array_bytes(u.shape)[0]
+            read += hlo.array_bytes(u.shape)[0]
         elif u.op == "dynamic-update-slice" and u.operands[0] == name:
             continue
         elif u.op == "bitcast" and u.operands == [name]:  # a view: what its users read
@@ -362,7 +362,7 @@ def _written(comps: dict[str, _Comp], comp: str, shape: str) -> float:
     c = comps.get(comp)
     root = c.instrs.get(c.root) if c and c.root else None
     if c is None or root is None:
-        return aot.array_bytes(shape)[0]
+        return hlo.array_bytes(shape)[0]
     outs = [c.instrs.get(o) for o in root.operands] if root.op == "tuple" else [root]
     total = 0.0
     for o in outs:
@@ -370,9 +370,9 @@ def _written(comps: dict[str, _Comp], comp: str, shape: str) -> float:
             continue
         if o.op == "dynamic-update-slice" and len(o.operands) > 1:
             update = c.instrs.get(o.operands[1])
-            total += aot.array_bytes(update.shape)[0] if update else aot.array_bytes(o.shape)[0]
+            total += hlo.array_bytes(update.shape)[0] if update else hlo.array_bytes(o.shape)[0]
         else:
-            total += aot.array_bytes(o.shape)[0]
+            total += hlo.array_bytes(o.shape)[0]
     return total
 
 
@@ -396,7 +396,7 @@ def hlo_cost(hlo_text: str) -> HloCost:
 def _module_cost(hlo_text: str) -> HloCost:
     """hlo_cost of one HLO module (instruction names are unique within a module)."""
     lines = hlo_text.splitlines()
-    comp_of_line, times = aot._call_multipliers(lines)
+    comp_of_line, times = hlo.call_multipliers(lines)
     comps, parsed = _parse(lines, comp_of_line)
     shapes = {i.name: i.shape for c in comps.values() for i in c.instrs.values()}
     inner: set[str] = set()  # fused and applied computations: their bytes stay on chip
@@ -429,18 +429,18 @@ def _module_cost(hlo_text: str) -> HloCost:
         callee = _FUSION_CALLS_RE.search(ins.line) if ins.op == "fusion" else None
         if callee:
             moved = _written(comps, callee.group(1), ins.shape) + sum(
-                _param_read(comps, callee.group(1), j, aot.array_bytes(_shape_of(shapes, o))[0])
+                _param_read(comps, callee.group(1), j, hlo.array_bytes(_shape_of(shapes, o))[0])
                 for j, o in enumerate(ins.operands)
             )
         elif ins.op == "copy-start" and ins.operands:  # reads its operand, writes one copy
-            moved = 2 * aot.array_bytes(_shape_of(shapes, ins.operands[0]))[0]
+            moved = 2 * hlo.array_bytes(_shape_of(shapes, ins.operands[0]))[0]
         elif ins.op in ("dynamic-slice", "slice"):  # reads the slice, writes it
-            moved = 2 * aot.array_bytes(ins.shape)[0]
+            moved = 2 * hlo.array_bytes(ins.shape)[0]
         elif ins.op == "dynamic-update-slice" and len(ins.operands) > 1:  # in place
-            moved = 2 * aot.array_bytes(_shape_of(shapes, ins.operands[1]))[0]
+            moved = 2 * hlo.array_bytes(_shape_of(shapes, ins.operands[1]))[0]
         else:
-            moved = aot.array_bytes(ins.shape)[0] + sum(
-                aot.array_bytes(_shape_of(shapes, o))[0] for o in ins.operands
+            moved = hlo.array_bytes(ins.shape)[0] + sum(
+                hlo.array_bytes(_shape_of(shapes, o))[0] for o in ins.operands
             )
         hbm += k * moved
         movers[f"{ins.op} {ins.name} {re.sub(r'[{].*', '', ins.shape)} x{k}"] += k * moved
@@ -500,14 +500,16 @@ def step_cost(r: dict[str, Any], hlo_texts: Iterable[str]) -> dict[str, Any]:
         ici_bytes=ici,
     )
     out["pallas_calls_without_estimate"] = sum(c.pallas_calls_without_estimate for c in costs)
-    out["ici_bytes_by_op"] = _by_op(r["collectives"])
+    out["ici_bytes_by_op"] = _sent_by(r["collectives"], "op")
+    # The mesh axes a collective's groups span ("fsdp", "data+fsdp"): which axis carries it.
+    out["ici_bytes_by_axis"] = _sent_by(r.get("collectives_by_axis", []), "axes")
     return out
 
 
-def _by_op(collectives: list[dict[str, Any]]) -> dict[str, float]:
+def _sent_by(collectives: list[dict[str, Any]], key: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for c in collectives:
-        out[c["op"]] = out.get(c["op"], 0.0) + c["sent"]
+        out[c[key]] = out.get(c[key], 0.0) + c["sent"]
     return out
 
 
@@ -515,12 +517,16 @@ def format_cost(c: dict[str, Any]) -> str:
     """The step-cost lines scripts/aot_compile.py prints with cost=true."""
     ms = 1e3
     by_op = ", ".join(f"{op} {b / 1e9:.3g} GB" for op, b in sorted(c["ici_bytes_by_op"].items()))
+    by_axis = ", ".join(
+        f"{ax} {b / 1e9:.3g} GB" for ax, b in sorted(c.get("ici_bytes_by_axis", {}).items())
+    )
     lines = [
         f"step cost per device (compiler-derived estimates on {c['chip']} peaks, not timings):",
         f"  FLOPs: compiled {c['compiled_flops']:.4g}, model {c['model_flops']:.4g} "
         f"(ratio {c['recompute_ratio']:.3f}: remat and other recompute)",
         f"  HBM bytes accessed {c['hbm_bytes_accessed'] / 1e9:.4g} GB; interconnect sent "
         f"{c['ici_bytes'] / 1e9:.4g} GB ({by_op or 'none'})",
+        f"  interconnect sent by mesh axes: {by_axis or 'none'}",
         f"  compute {c['compute_s'] * ms:.2f} ms, HBM {c['hbm_s'] * ms:.2f} ms, interconnect "
         f"{c['ici_s'] * ms:.2f} ms (dominant: {c['dominant']})",
         f"  step {c['step_s_low'] * ms:.2f} ms (all overlapped) to {c['step_s_high'] * ms:.2f} ms "

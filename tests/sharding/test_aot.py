@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from jax.experimental import topologies
 
-from moetext import aot, config
+from moetext import aot, config, hlo
 from moetext.data.batch import CHAT_KEYS, KEYS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,7 +77,32 @@ def test_sent_bytes_follow_the_ring_estimate_per_group_size():
     assert sent[("ragged-all-to-all", "bf16")] == 64 * 8 * 2
     # XLA:TPU's fused reduce-scatter: 3/4 of its full-size input, as a reduce-scatter sends.
     assert sent[("all-reduce-scatter", "f32")] == 8 * 4 * 4 * 3 / 4
-    assert aot.group_size("x replica_groups=mesh['a'=2,'b'=8,'c'=4] {'a','c'}, y", 64) == 8
+    assert hlo.group_size("x replica_groups=mesh['a'=2,'b'=8,'c'=4] {'a','c'}, y", 64) == 8
+
+
+def test_collectives_are_attributed_to_the_mesh_axes_their_groups_span():
+    # Partition p is the device at flat index p of a (data=2, fsdp=4) mesh: p = 4 * data + fsdp.
+    mesh, n = {"data": 2, "fsdp": 4}, 8
+    assert hlo.group_axes("replica_groups=[2,4]<=[8]", n, mesh) == "fsdp"  # {0-3}, {4-7}
+    assert hlo.group_axes("replica_groups=[4,2]<=[2,4]T(1,0)", n, mesh) == "data"  # {0,4}, ...
+    assert hlo.group_axes("replica_groups={{0,4},{1,5},{2,6},{3,7}}", n, mesh) == "data"
+    assert hlo.group_axes("replica_groups={{0,1,2,3,4,5,6,7}}", n, mesh) == "data+fsdp"
+    assert hlo.group_axes("source_target_pairs={{0,1},{1,2},{2,3},{3,0}}", n, mesh) == "fsdp"
+    assert hlo.group_axes("all-to-all(%x), dimensions={0}", n, mesh) == "data+fsdp"  # all
+    assert hlo.group_axes("replica_groups=mesh['data'=2,'fsdp'=4] {'fsdp'}", n, mesh) == "fsdp"
+    # XLA's own meshes in that form: devices 0..n-1 in order over its axes.
+    assert hlo.group_axes("replica_groups=mesh['axis_0'=8] {'axis_0'}", n, mesh) == "data+fsdp"
+    assert hlo.group_axes("replica_groups=mesh['a'=2,'b'=4] {'a'}", n, mesh) == "data"
+    assert hlo.group_axes("replica_groups=mesh['a'=2,'b'=2,'c'=2] {'c'}", n, mesh) == "fsdp"
+    assert hlo.group_axes("replica_groups={{0},{1},{2},{3},{4},{5},{6},{7}}", n, mesh) == "-"
+    assert hlo.group_axes("replica_groups=[2,4]<=[8]", 16, mesh) == "?"  # not this mesh
+    # Keyed by axes, the same ops and bytes as keyed by element type.
+    by_axis = hlo.collectives(HLO, by="axis", mesh_shape={"data": 1, "fsdp": 4})
+    by_dtype = hlo.collectives(HLO)
+    assert {ax for _, ax in by_axis} == {"fsdp"}
+    assert sum(v["sent"] for v in by_axis.values()) == sum(v["sent"] for v in by_dtype.values())
+    with pytest.raises(ValueError, match="mesh_shape"):
+        hlo.collectives(HLO, by="axis")
 
 
 def test_unknown_generation_is_a_topology_error():
@@ -136,6 +161,11 @@ def test_qwen3_30b_shape_compiles_for_v5p_and_reports(monkeypatch):
     assert r["total_bytes"] < 95 * 1024**3  # fits a real v5p chip comfortably
     ops = {c["op"] for c in r["collectives"]}
     assert "all-gather" in ops, r["collectives"]  # FSDP gathers the sharded weights
+    # Only fsdp has more than one chip: every collective's groups span it (none unreadable).
+    axes = {c["axes"] for c in r["collectives_by_axis"]}
+    assert axes == {"fsdp"}, r["collectives_by_axis"]
+    sent = [sum(c["sent"] for c in r[k]) for k in ("collectives", "collectives_by_axis")]
+    assert sent[0] == sent[1] > 0
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

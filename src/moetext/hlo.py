@@ -1,0 +1,250 @@
+"""Collectives and loops in XLA's optimised HLO text, counted per step.
+
+The AOT report (`moetext.aot`) and the step-cost report (`moetext.step_cost`) read compiled
+programs as text: `call_multipliers` gives each computation's runs per step (a while body
+runs its trip count per run of its caller: the layer scan, the kernels' tile loops), and
+`collectives` counts every collective with the bytes each chip sends by a ring estimate,
+keyed by element type, result shape, or the mesh axes its device groups span (`by="axis"`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from collections.abc import Mapping
+
+import numpy as np
+
+DTYPE_BYTES: dict[str, float] = {
+    "pred": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
+COLLECTIVES = (
+    "all-gather",
+    "reduce-scatter",
+    "all-reduce",
+    "ragged-all-to-all",
+    "all-to-all",
+    "collective-permute",
+)
+_OP_RE = re.compile(
+    r"=\s*(?P<shape>\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+    r"(?P<op>" + "|".join(COLLECTIVES) + r")(?:-start)?\("
+)
+ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_COMP_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
+_CALL_RE = re.compile(
+    r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
+)
+# Computation lists: a conditional's branches, an async op's wrapped computations.
+_CALL_LIST_RE = re.compile(r"\b(branch_computations|called_computations)=\{([^}]*)\}")
+_TRIP_RE = re.compile(r'known_trip_count"?\s*[:=]\s*\{\s*"?n"?\s*[:=]\s*"?(\d+)')
+# Replica groups as XLA prints them: over named mesh axes, as an iota list, or explicit.
+_MESH_GROUPS_RE = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_IOTA_GROUPS_RE = re.compile(r"replica_groups=\[[0-9,]*?(\d+)\]<=")
+_LIST_GROUPS_RE = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
+_PARTITIONS_RE = re.compile(r"num_partitions=(\d+)")
+# The full forms of the two device-list spellings (group_members): [G,S]<=[dims]T(perm) and
+# {{a,b},{c,d}}; a permute's source_target_pairs.
+_IOTA_FULL_RE = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+_LIST_FULL_RE = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)+)\}")
+_PAIRS_RE = re.compile(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}")
+# Bytes each chip sends per result byte, by collective, for ring algorithms over a group of g
+# chips: all-gather (g-1)/g of its result, reduce-scatter g-1 times its (1/g-size) result,
+# all-reduce twice (g-1)/g (a reduce-scatter, then an all-gather). An estimate that compares
+# collective forms (an all-reduce moves twice a reduce-scatter's bytes), not a wire count.
+_SENT_PER_RESULT_BYTE = {
+    "all-gather": lambda g: (g - 1) / g,
+    "reduce-scatter": lambda g: g - 1.0,
+    "all-reduce": lambda g: 2 * (g - 1) / g,
+    # per byte of the full-size all-reduce inside the fusion: a reduce-scatter of that input
+    "all-reduce-scatter": lambda g: (g - 1) / g,
+    "all-to-all": lambda g: (g - 1) / g,
+}
+
+
+def array_bytes(shape_text: str) -> tuple[float, list[str]]:
+    """Bytes of an HLO result shape such as bf16[128,2048]{1,0} or a tuple of them."""
+    total, dtypes = 0.0, []
+    for dtype, dims in ARRAY_RE.findall(shape_text):
+        n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+        total += n * DTYPE_BYTES.get(dtype, 4)
+        dtypes.append(dtype)
+    return total, dtypes
+
+
+def call_multipliers(lines: list[str]) -> tuple[list[str | None], dict[str, int]]:
+    """Computation of each line, and how often each computation runs per step: a while body
+    runs trip-count times per run of its caller; fusions, async wrappers and each branch of a
+    conditional (an upper bound: one of them runs) as often as their callers."""
+    comp_of_line: list[str | None] = []
+    current: str | None = None
+    body_of: dict[str | None, list[str]] = defaultdict(list)
+    for line in lines:
+        m = _COMP_RE.match(line.strip())
+        if m:
+            current = m.group(1)
+        comp_of_line.append(current)
+        body_of[current].append(line)
+    callers: dict[str, list[tuple[str | None, int]]] = defaultdict(list)
+    for line, comp in zip(lines, comp_of_line, strict=True):
+        for key, callee in _CALL_RE.findall(line):
+            n = _trip_count(line, body_of) if key == "body" else 1
+            callers[callee].append((comp, n))
+        for _, names in _CALL_LIST_RE.findall(line):
+            # Every branch of a conditional counted as run (an upper bound: one runs).
+            for callee in re.findall(r"%?([\w.\-]+)", names):
+                callers[callee].append((comp, 1))
+
+    memo: dict[str, int] = {}
+
+    def times(comp: str | None, depth: int = 0) -> int:
+        if comp is None or comp not in callers or depth > 64:
+            return 1  # ENTRY (or a computation nothing calls)
+        if comp not in memo:
+            memo[comp] = sum(times(c, depth + 1) * n for c, n in callers[comp])
+        return memo[comp]
+
+    return comp_of_line, {c: times(c) for c in set(comp_of_line) if c is not None}
+
+
+def _trip_count(while_line: str, body_of: dict[str | None, list[str]]) -> int:
+    """known_trip_count when XLA recorded it, else the loop bound: the one integer constant in
+    the condition computation (scan loops count from 0 while i < n)."""
+    t = _TRIP_RE.search(while_line)
+    if t:
+        return int(t.group(1))
+    cond = re.search(r"condition=%?([\w.\-]+)", while_line)
+    consts = [
+        int(c.group(1))
+        for line in body_of.get(cond.group(1) if cond else None, [])
+        if (c := re.search(r"=\s*s(?:32|64)\[\][^ ]*\s+constant\((\d+)\)", line))
+    ]
+    return consts[0] if len(consts) == 1 else 1
+
+
+def group_size(line: str, partitions: int) -> int:
+    """The size of a collective's replica groups, read from its HLO line (all `partitions`
+    devices when it lists none)."""
+    m = _MESH_GROUPS_RE.search(line)
+    if m:
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", m.group(2)))
+    m = _IOTA_GROUPS_RE.search(line)
+    if m:
+        return int(m.group(1))
+    m = _LIST_GROUPS_RE.search(line)
+    if m:
+        return len([x for x in m.group(1).split(",") if x])
+    return partitions
+
+
+def group_members(line: str, partitions: int) -> list[list[int]]:
+    """A collective's device groups (partition ids), read from its HLO line: replica groups as
+    an iota list or explicit, a permute's source-target pairs (each pair a group), all
+    `partitions` devices when it lists none."""
+    m = _IOTA_FULL_RE.search(line)
+    if m:
+        groups, size = int(m.group(1)), int(m.group(2))
+        dims = [int(d) for d in m.group(3).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(4):
+            ids = ids.transpose([int(d) for d in m.group(4).split(",")])
+        return [[int(x) for x in row] for row in ids.reshape(groups, size)]
+    m = _LIST_FULL_RE.search(line) or _PAIRS_RE.search(line)
+    if m:
+        return [
+            [int(x) for x in g.split(",") if x] for g in re.findall(r"\{([0-9,]*)\}", m.group(1))
+        ]
+    m = _MESH_GROUPS_RE.search(line)
+    if m:  # Shardy's form: groups along the named axes of a mesh over devices 0..n-1 in order
+        sizes = [(a, int(n)) for a, n in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
+        ids = np.arange(math.prod(n for _, n in sizes)).reshape([n for _, n in sizes] or [1])
+        named = [i for i, (a, _) in enumerate(sizes) if a in re.findall(r"'([^']+)'", m.group(2))]
+        rest = [i for i in range(len(sizes)) if i not in named]
+        size = math.prod(sizes[i][1] for i in named)
+        return [[int(x) for x in g] for g in ids.transpose(rest + named).reshape(-1, size)]
+    return [list(range(partitions))]
+
+
+def group_axes(line: str, partitions: int, mesh_shape: Mapping[str, int]) -> str:
+    """The mesh axes a collective's device groups span, "+"-joined in mesh order ("fsdp",
+    "data+fsdp"): the axes along which a group's members' mesh coordinates differ, a partition
+    id p being the device at flat index p of the mesh's devices (jit's device assignment). The
+    named-mesh form counts as its device groups too: XLA also names meshes of its own
+    ('axis_0').
+    "-" for a collective within one device, "?" for groups that do not fit the mesh."""
+    names, shape = list(mesh_shape), [int(n) for n in mesh_shape.values()]
+    if math.prod(shape) != partitions or "device_ids=[" in line:  # an order not read here
+        return "?"
+    varying: set[int] = set()
+    for group in group_members(line, partitions):
+        if any(not 0 <= d < partitions for d in group):
+            return "?"
+        coords = np.array(np.unravel_index(group, shape)).T if group else np.zeros((0, 0))
+        varying |= {a for a in range(len(shape)) if len(coords) and len(set(coords[:, a])) > 1}
+    return "+".join(names[a] for a in sorted(varying)) or "-"
+
+
+def collectives(
+    hlo_text: str, *, by: str = "dtype", mesh_shape: Mapping[str, int] | None = None
+) -> dict[tuple[str, str], dict[str, float]]:
+    """(op, element types) -> count, bytes (of the results) and sent (bytes each chip sends, a
+    ring-algorithm estimate: _SENT_PER_RESULT_BYTE; the result bytes for a permute or ragged
+    all-to-all) per step; ops inside a while body (the layer scan), or in computations it calls,
+    count once per known trip. by="shape" keys on the result shape instead (e.g.
+    f8e4m3fn[8,2048,768]: which arrays cross the wire); by="axis" on the mesh axes the
+    op's device groups span (`group_axes` over `mesh_shape`, the compiled program's mesh)."""
+    if by == "axis" and mesh_shape is None:
+        raise ValueError('collectives(by="axis") needs the mesh_shape of the compiled program')
+    lines = hlo_text.splitlines()
+    comp_of_line, times = call_multipliers(lines)
+    parts = _PARTITIONS_RE.search(hlo_text)
+    partitions = int(parts.group(1)) if parts else 1
+    out: dict[tuple[str, str], dict[str, float]] = defaultdict(
+        lambda: {"count": 0, "bytes": 0.0, "sent": 0.0}
+    )
+    for line, comp in zip(lines, comp_of_line, strict=True):
+        m = _OP_RE.search(line)
+        if not m or "-done(" in line:
+            continue
+        nbytes, dtypes = array_bytes(m.group("shape"))
+        op = m.group("op")
+        if op == "all-reduce" and comp is not None and comp.startswith("all-reduce-scatter"):
+            # XLA:TPU's fused form of a reduce-scatter: an all-reduce and a dynamic-slice in a
+            # computation of this name, run by the same emitter as its reduce-scatter ops
+            # ("SingleInputAllReduceScatterFusion", a ring): a reduce-scatter on the wire.
+            op = "all-reduce-scatter"
+        if by == "shape":
+            shapes = [f"{dt}[{dims}]" for dt, dims in ARRAY_RE.findall(m.group("shape"))]
+            key = (op, ",".join(shapes))
+        elif by == "axis":
+            assert mesh_shape is not None
+            key = (op, group_axes(line, partitions, mesh_shape))
+        else:
+            key = (op, ",".join(sorted(set(dtypes))))
+        k = times.get(comp, 1) if comp is not None else 1
+        per_byte = _SENT_PER_RESULT_BYTE.get(op)
+        sent = nbytes * (per_byte(group_size(line, partitions)) if per_byte else 1.0)
+        out[key]["count"] += k
+        out[key]["bytes"] += k * nbytes
+        out[key]["sent"] += k * sent
+    return dict(out)
