@@ -138,9 +138,9 @@ fi
 # prepared with its own tokenizer and template, asked held-out questions with generate --chat,
 # and exported back to HF with its tokenizer files.
 HF_BASE="$REPO/tests/fixtures/hf/qwen3_chat"
-SFT_STEPS=300
+SFT_STEPS=400
 if want f; then
-stage "(f) $HF_BASE -> orbax, fine-tune on conversations ($SFT_STEPS steps), chat, export"
+stage "(f) fine-tune $HF_BASE via hf-to-orbax on conversations ($SFT_STEPS steps), chat, export"
 run "$WORK/base_to_orbax.log" "$PY" -m moetext.convert hf-to-orbax --hf "$HF_BASE" \
   --out "$WORK/base" --dtype float32
 out=$("$PY" "$CHECKS" hf-logits "$WORK/base" "$HF_BASE") || fail "see above"
