@@ -194,8 +194,8 @@ def make(name: str, spec: dict, out: Path) -> None:
         src = out / spec["tokenizer"]
         vocab = json.loads((src / "tokenizer.json").read_text())["model"]["vocab"]
         assert len(vocab) <= spec["config"]["vocab_size"], (len(vocab), name)
-        for f in TOKENIZER_FILES:
-            (d / f).write_bytes((src / f).read_bytes())
+        for fname in TOKENIZER_FILES:
+            (d / fname).write_bytes((src / fname).read_bytes())
     (d / "generation_config.json").unlink(missing_ok=True)
     if spec["released"]:
         cfg = json.loads((d / "config.json").read_text())
