@@ -17,6 +17,11 @@ index, Qwen2-MoE's q/k/v bias and sigmoid-gated shared expert, and both config.j
 (transformers 5 as written; `released` is rewritten as the released Qwen3 checkpoints spell it:
 num_experts, rope_theta, torch_dtype).
 
+`qwen3_chat` is a model to fine-tune (end_to_end/cpu/run_all.sh stage f): tiny-qwen3-moe's shape
+with the chat tokenizer fixture's files beside it (vocab_size 416 for its 400 pieces),
+transformers' own initialisation (not scaled up), bfloat16 safetensors as Qwen releases them;
+its logits.npy are float32 logits of the bfloat16-rounded weights.
+
 DeepSeek-V3 (scripts/make_deepseek_fixture.py): `deepseek_v3_t5`, a tiny random
 DeepseekV3ForCausalLM with q_lora, YaRN (mscale != mscale_all_dim), interleaved RoPE, a dense
 first layer, group-limited routing with a non-zero e_score_correction_bias and a shared expert,
@@ -30,6 +35,7 @@ its logits are transformers' on the dequantized weights.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 from pathlib import Path
 
@@ -109,7 +115,39 @@ FIXTURES = {
         released=False,
         shard=None,
     ),
+    # A model to fine-tune (end_to_end/cpu/run_all.sh stage f): tiny-qwen3-moe's shape with a
+    # vocabulary for the chat tokenizer fixture (400 pieces, padded to 416 as Qwen pads its
+    # own), that tokenizer's files beside it, transformers' initialisation left as it is
+    # (std 0.02: a fresh model, not the scaled-up parity weights), stored in bfloat16 as the
+    # released checkpoints are; logits.npy are float32 logits of the bfloat16 weights.
+    "qwen3_chat": dict(
+        config=dict(
+            vocab_size=416,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            norm_topk_prob=True,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            bos_token_id=None,
+            eos_token_id=2,  # <|im_end|>, as the instruct model's config.json
+            pad_token_id=0,
+        ),
+        released=False,
+        shard=None,
+        fresh=True,
+        dtype="bfloat16",
+        tokenizer="chat_tokenizer",
+    ),
 }
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def released_spelling(cfg: dict) -> dict:
@@ -129,20 +167,35 @@ def make(name: str, spec: dict, out: Path) -> None:
         (Qwen2MoeConfig, Qwen2MoeForCausalLM) if qwen2 else (Qwen3MoeConfig, Qwen3MoeForCausalLM)
     )
     model = model_cls(config_cls(**spec["config"], attn_implementation="eager"))
-    # Random init is ~N(0, 0.02): scale up so routing and logits are far from uniform.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim > 1:
-                p.mul_(10.0)
-            else:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    if not spec.get("fresh"):
+        # Random init is ~N(0, 0.02): scale up so routing and logits are far from uniform.
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.ndim > 1:
+                    p.mul_(10.0)
+                else:
+                    p.copy_(1.0 + 0.1 * torch.randn_like(p))
     model.eval()
     d = out / name
     d.mkdir(parents=True, exist_ok=True)
     for f in d.iterdir():
         f.unlink()
     kwargs = {"max_shard_size": spec["shard"]} if spec["shard"] else {}
-    model.save_pretrained(d, **kwargs)
+    if spec.get("dtype") == "bfloat16":
+        # Saved in bfloat16; the logits below are float32 ones of the rounded weights (rounded
+        # in place: casting the model back and forth would also round RoPE's inv_freq buffer).
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(torch.bfloat16).float())
+        copy.deepcopy(model).to(torch.bfloat16).save_pretrained(d, **kwargs)
+    else:
+        model.save_pretrained(d, **kwargs)
+    if spec.get("tokenizer"):
+        src = out / spec["tokenizer"]
+        vocab = json.loads((src / "tokenizer.json").read_text())["model"]["vocab"]
+        assert len(vocab) <= spec["config"]["vocab_size"], (len(vocab), name)
+        for fname in TOKENIZER_FILES:
+            (d / fname).write_bytes((src / fname).read_bytes())
     (d / "generation_config.json").unlink(missing_ok=True)
     if spec["released"]:
         cfg = json.loads((d / "config.json").read_text())
@@ -164,6 +217,13 @@ def main() -> None:
     args = p.parse_args()
     want = set(args.only or [])
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
+    if not want or "chat_tokenizer" in want:
+        # The chat tokenizer fixture (a BPE tokenizer.json, Qwen3's chat template, the ids
+        # transformers renders): scripts/make_chat_fixture.py, also runnable alone. First:
+        # qwen3_chat copies its files.
+        from make_chat_fixture import make_chat_tokenizer
+
+        make_chat_tokenizer(Path(args.out))
     for name, spec in FIXTURES.items():
         if not want or name in want:
             make(name, spec, Path(args.out))
@@ -171,12 +231,6 @@ def main() -> None:
         from make_deepseek_fixture import make_deepseek_fixtures
 
         make_deepseek_fixtures(Path(args.out))
-    if not want or "chat_tokenizer" in want:
-        # The chat tokenizer fixture (a BPE tokenizer.json, Qwen3's chat template, the ids
-        # transformers renders): scripts/make_chat_fixture.py, also runnable alone.
-        from make_chat_fixture import make_chat_tokenizer
-
-        make_chat_tokenizer(Path(args.out))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """end_to_end/cpu/run_all.sh: the CLIs end to end (prepare -> train -> kill -9 and resume ->
-generate -> HF and back -> logits -> fine-tune on chats -> generate --chat -> HF; then the
+generate -> HF and back -> logits; a tiny HF Qwen3-MoE with a chat tokenizer -> orbax ->
+fine-tune on chats -> generate --chat -> HF with its tokenizer; then the
 tiny DeepSeek-V3 with MTP through train -> kill -9 and resume -> generate -> HF and back ->
 logits), and its checks failing loudly on wrong results.
 
-Budget: the script ~3 min alone on 2 cores (stages a-e measured 102 s; stage f, the SFT, took
-289 s on a host loaded ~6x beyond its cores; stage g, the tiny DeepSeek-V3, 213-246 s on a host
-loaded ~2-2.5x beyond its cores, where the whole script took 468 s), more beside other tests.
+Budget: the script ~3 min alone on 2 cores (stages a-e measured 102 s; stage f, the HF SFT,
+took 311 s on a host loaded ~5x beyond its cores, where the whole script took 1178 s; stage g,
+the tiny DeepSeek-V3, 213-246 s on a host loaded ~2-2.5x beyond its cores, where the whole
+script took 468 s), more beside other tests.
 """
 
 from __future__ import annotations
@@ -99,28 +101,57 @@ def test_the_wait_check_fails_when_the_run_ends_before_the_kill(tmp_path):
 
 
 _HELD = ["0+7?", "3+5?", "6+2?", "9+9?"]  # checks.HELD_OUT
+_THINK = "<think>\nsum\n</think>\n\n"  # checks.THINK's block, before every trained answer
 
 
 @pytest.mark.parametrize(
     "replies, message",
     [
         # A reply that runs on past the end of turn (no <|im_end|>) or talks instead of
-        # answering fails; so does a missing reply.
+        # answering fails; so do a sum without the trained think block and a missing reply.
         ([("7", True), ("8", False), ("8", True), ("18", True)], "no end of turn"),
-        ([("7", True), ("8", True), ("user: 6+2?", True), ("18", True)], "not a sum 0..18"),
+        ([("7", True), ("8", True), ("user: 6+2?", True), ("18", True)], "and a sum 0..18"),
+        ([("7", True), ("8", True), ("8", True), ("19", True)], "and a sum 0..18"),
         ([("7", True), ("8", True), ("8", True)], "replies to"),
     ],
 )
 def test_the_chat_check_fails_loudly(tmp_path, replies, message):
     rows = [
-        {"prompt": q, "completion": c, "eos": e} for q, (c, e) in zip(_HELD, replies, strict=False)
+        {"prompt": q, "completion": _THINK + c, "eos": e}
+        for q, (c, e) in zip(_HELD, replies, strict=False)
     ]
     (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     got = _check("chatted", str(tmp_path / "c.jsonl"))
     assert got.returncode == 1 and message in got.stderr, got.stderr
-    rows = [{"prompt": q, "completion": "5", "eos": True} for q in _HELD]
+    rows = [{"prompt": q, "completion": "7", "eos": True} for q in _HELD]  # no think block
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = _check("chatted", str(tmp_path / "c.jsonl"))
+    assert got.returncode == 1 and "and a sum 0..18" in got.stderr, got.stderr
+    rows = [{"prompt": q, "completion": _THINK + "7", "eos": True} for q in _HELD]
     (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     ok = _check("chatted", str(tmp_path / "c.jsonl"))
     assert ok.returncode == 0 and ok.stdout.endswith(
-        "(0 of 4 right; the form is asserted, not the sums)\n"
+        "(1 of 4 right; the form is asserted, not the sums)\n"
     )
+
+
+@pytest.mark.parametrize(
+    "final_eval, ok",
+    [
+        # A model that learnt the form and the sums' frequencies but not the question sits
+        # near 2.77 / 12 = 0.231 nats per trained target (measured 0.22-0.26 at step 100,
+        # where the replies had the form but the loss had not yet left that plateau): fails.
+        (0.223, False),
+        (0.018, True),  # measured at step 400, 3 of 4 held-out sums right
+    ],
+)
+def test_the_sft_check_wants_the_sums_learnt(tmp_path, final_eval, ok):
+    rows = [{"step": s, "loss": 6.0 - s / 10, "loss_tokens": 100} for s in range(1, 31)]
+    rows[-1]["eval_ce_loss"] = final_eval
+    _metrics(tmp_path / "sft", rows)
+    (tmp_path / "sft" / "checkpoints" / "30").mkdir(parents=True)
+    got = _check("sft", str(tmp_path / "sft"), "30", "512")
+    if ok:
+        assert got.returncode == 0 and "half a question-blind model's" in got.stdout, got.stderr
+    else:
+        assert got.returncode == 1 and "not learnt" in got.stderr and "0.116" in got.stderr

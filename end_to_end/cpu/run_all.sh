@@ -6,13 +6,18 @@
 #       metrics and final params equal the reference's bit for bit
 #   (d) generate from the final checkpoint
 #   (e) orbax -> HF safetensors -> orbax -> HF: bit-exact; HF model logits == run model logits
-#   (f) fine-tune the final checkpoint on generated conversations (assistant-only loss), answer
-#       held-out questions with generate --chat, export to HF and compare logits
+#   (f) a tiny Qwen3-MoE Hugging Face checkpoint with a tokenizer.json and a chat template
+#       (tests/fixtures/hf/qwen3_chat) -> hf-to-orbax (logits == transformers'), fine-tuned on
+#       generated "a+b?" conversations (assistant-only loss, its own tokenizer and template)
+#       until it answers from the question, held-out questions answered with generate --chat,
+#       exported to HF with its tokenizer files and logits compared
 #   (g) tiny-deepseek-v3 (MLA, MTP on) on (a)'s corpus: (b) and (c) in 20 steps (mtp_loss asserted),
 #       (d), and (e) with the MTP module through the round trip
 # ~2.5-3 min on 2 CPU cores (measured 77-102 s for (a)-(e) on a shared machine). Writes only under a
 # `mktemp -d` directory (data, runs, conversions, TMPDIR, caches), removed on exit unless KEEP=1:
 #   bash end_to_end/cpu/run_all.sh    # KEEP=1 keeps the work dir; STEPS=N (a multiple of 20)
+#   STAGES=f bash end_to_end/cpu/run_all.sh    # some stages: (b) needs (a), (c) (b), (d) and
+#                                              # (e) (c), (g) (a); (f) stands alone
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 PY="$REPO/.venv/bin/python"
@@ -39,6 +44,14 @@ unset XLA_FLAGS  # one CPU device, as the tiny config expects; a forced count ch
 
 # STEPS long enough that the killed run is still going after its first checkpoint (every 10).
 STEPS=${STEPS:-60}
+STAGES=${STAGES:-abcdefg}
+[[ $STAGES =~ ^[a-g]+$ ]] || { echo "FAILED: STAGES=$STAGES: want letters a-g" >&2; exit 1; }
+want() { [[ $STAGES == *$1* ]]; }
+for need in b:a c:b d:c e:c g:a; do
+  if want "${need%:*}" && ! want "${need#*:}"; then
+    echo "FAILED: STAGES=$STAGES: stage (${need%:*}) needs stage (${need#*:})" >&2; exit 1
+  fi
+done
 ((STEPS >= 40 && STEPS % 20 == 0)) \
   || { echo "FAILED: STEPS=$STEPS must be a multiple of 20 (eval_every), at least 40" >&2; exit 1; }
 VOCAB=512  # tiny-qwen3-moe's model.vocab_size
@@ -59,16 +72,21 @@ run() {
   [[ $rc == 0 ]] || { tail -n 30 "$log" >&2; fail "exit $rc from: $*"; }
 }
 
+if want a; then
 stage "(a) prepare the embedded corpus into $WORK/data"
 out=$("$PY" "$CHECKS" prepare "$WORK/data" "$VOCAB") || fail "see above"
 passed "$out"
+fi
 
+if want b; then
 stage "(b) train tiny-qwen3-moe for $STEPS steps, uninterrupted (the reference)"
 run "$WORK/ref.log" "${TRAIN[@]}" "train.run_dir=$WORK/ref"
 grep -q "preparing" "$WORK/ref.log" && fail "training prepared the corpus again (not stage a's)"
 out=$("$PY" "$CHECKS" trained "$WORK/ref" "$STEPS") || fail "see above"
 passed "$out"
+fi
 
+if want c; then
 stage "(c) the same run, kill -9 mid-run, then the same command again"
 "${TRAIN[@]}" "train.run_dir=$WORK/run" >"$WORK/killed.log" 2>&1 &
 TRAIN_PID=$!
@@ -83,8 +101,10 @@ from=$("$PY" "$CHECKS" killed "$WORK/run" "$STEPS") || fail "see above"
 run "$WORK/resume.log" "${TRAIN[@]}" "train.run_dir=$WORK/run"
 out=$("$PY" "$CHECKS" resumed "$WORK/run" "$WORK/ref" "$STEPS" "$from") || fail "see above"
 passed "$out"
+fi
 
 CKPT="$WORK/run/checkpoints/$STEPS"
+if want d; then
 # Sampled (seeded): after 60 steps greedy decoding of this toy repeats its likeliest token,
 # a newline.
 stage "(d) generate from $CKPT"
@@ -96,7 +116,9 @@ rc=0
 [[ $rc == 0 ]] || { tail -n 30 "$WORK/generate.log" >&2; fail "moetext.generate exited $rc"; }
 out=$("$PY" "$CHECKS" generated "$WORK/generated.jsonl" 2) || fail "see above"
 passed "$out"
+fi
 
+if want e; then
 stage "(e) convert: orbax -> HF safetensors -> orbax -> HF, then logits"
 run "$WORK/to_hf.log" "$PY" -m moetext.convert orbax-to-hf --checkpoint "$CKPT" --out "$WORK/hf"
 run "$WORK/to_orbax.log" "$PY" -m moetext.convert hf-to-orbax --hf "$WORK/hf" --out "$WORK/orbax"
@@ -107,38 +129,56 @@ out=$("$PY" "$CHECKS" hf-roundtrip "$WORK/hf" "$WORK/orbax" "$WORK/hf2" "$CKPT")
 echo "   $out"
 out=$("$PY" "$CHECKS" logits "$WORK/run/config.yml" "$CKPT" "$WORK/hf") || fail "see above"
 passed "$out"
+fi
 
-# Fine-tuning on conversations from the pretrained checkpoint, with its own tokenizer (which
-# reserves the ChatML pieces) and the built-in ChatML template; the loss on the answers only.
-SFT_STEPS=60
-stage "(f) fine-tune $CKPT on conversations ($SFT_STEPS steps), chat with it, export it"
+# Fine-tuning a Hugging Face checkpoint: tests/fixtures/hf/qwen3_chat is a tiny Qwen3-MoE as
+# transformers writes it (fresh random weights, bfloat16 safetensors, config.json) with a BPE
+# tokenizer.json and Qwen3's chat template (scripts/make_hf_fixture.py). It is converted, its
+# logits checked against transformers', fine-tuned with assistant-only loss on "a+b?" chats
+# prepared with its own tokenizer and template, asked held-out questions with generate --chat,
+# and exported back to HF with its tokenizer files.
+HF_BASE="$REPO/tests/fixtures/hf/qwen3_chat"
+SFT_STEPS=400
+if want f; then
+stage "(f) fine-tune $HF_BASE via hf-to-orbax on conversations ($SFT_STEPS steps), chat, export"
+run "$WORK/base_to_orbax.log" "$PY" -m moetext.convert hf-to-orbax --hf "$HF_BASE" \
+  --out "$WORK/base" --dtype float32
+out=$("$PY" "$CHECKS" hf-logits "$WORK/base" "$HF_BASE") || fail "see above"
+echo "   $out"
 out=$("$PY" "$CHECKS" chats "$WORK/chats" 400) || fail "see above"
 echo "   $out"
 run "$WORK/prepare_chats.log" "$PY" -m moetext.data.prepare --format chat \
   --input "$WORK/chats/chats.jsonl" --name sums --data_dir "$WORK/data" \
-  --tokenizer "$WORK/run/tokenizer" --eval_fraction 0.05
+  --tokenizer "$HF_BASE" --eval_fraction 0.05
+# The recipe's model is tiny-qwen3-moe's shape; the checkpoint's vocabulary is the fixture's.
+HF_VOCAB=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["vocab_size"])' \
+  "$HF_BASE/config.json")
 run "$WORK/sft.log" "$PY" -m train "$REPO/configs/finetune/tiny-qwen3-moe-sft.yml" \
-  "checkpoint.load_params_from=$CKPT" "data.name=sums" "data.data_dir=$WORK/data" \
-  "train.run_dir=$WORK/sft" "train.steps=$SFT_STEPS" "train.log_every=1" \
-  "train.eval_every=$SFT_STEPS" "checkpoint.every=$SFT_STEPS" "train.progress_bar=false" \
-  "train.peak_tflops=1.0"
-grep -q "^params from $CKPT" "$WORK/sft.log" || fail "the fine-tune did not start from $CKPT"
+  "checkpoint.load_params_from=$WORK/base" "model.vocab_size=$HF_VOCAB" "data.name=sums" \
+  "data.data_dir=$WORK/data" "train.run_dir=$WORK/sft" "train.steps=$SFT_STEPS" \
+  "train.log_every=1" "train.eval_every=100" "checkpoint.every=$SFT_STEPS" \
+  "train.progress_bar=false" "train.peak_tflops=1.0"
+grep -q "^params from $WORK/base" "$WORK/sft.log" || fail "the fine-tune did not start from it"
 out=$("$PY" "$CHECKS" sft "$WORK/sft" "$SFT_STEPS" $((8 * 64))) || fail "see above"  # batch x seq_len
 echo "   $out"
 SFT_CKPT="$WORK/sft/checkpoints/$SFT_STEPS"
 mapfile -t HELD < "$WORK/chats/held_out.txt"
 CHAT=(); for q in "${HELD[@]}"; do CHAT+=(--chat "$q"); done
 rc=0
+# 12 tokens: the think block (9), a sum (1-2), the end of turn.
 "$PY" -m moetext.generate "$WORK/sft/config.yml" --checkpoint "$SFT_CKPT" --jsonl \
-  "${CHAT[@]}" --max_new_tokens 6 >"$WORK/chatted.jsonl" 2>"$WORK/chat.log" || rc=$?
+  "${CHAT[@]}" --max_new_tokens 12 >"$WORK/chatted.jsonl" 2>"$WORK/chat.log" || rc=$?
 [[ $rc == 0 ]] || { tail -n 30 "$WORK/chat.log" >&2; fail "moetext.generate --chat exited $rc"; }
 out=$("$PY" "$CHECKS" chatted "$WORK/chatted.jsonl") || fail "see above"
 echo "   $out"
 run "$WORK/sft_to_hf.log" "$PY" -m moetext.convert orbax-to-hf --checkpoint "$SFT_CKPT" \
   --out "$WORK/sft_hf"
+out=$("$PY" "$CHECKS" exported-tokenizer "$WORK/sft_hf" "$HF_BASE") || fail "see above"
+echo "   $out"
 out=$("$PY" "$CHECKS" logits "$WORK/sft/config.yml" "$SFT_CKPT" "$WORK/sft_hf") \
   || fail "see above"
 passed "$out"
+fi
 
 # The second model family: DeepSeek-V3's architecture (MLA, dense first layer, shared expert,
 # group-limited sigmoid routing, multi-token prediction) on stage (a)'s corpus, through (b)-(e)'s
@@ -149,6 +189,7 @@ DS_TRAIN=("$PY" -m train "$REPO/configs/models/tiny-deepseek-v3.yml"
   "data.data_dir=$WORK/data" "train.steps=$DS_STEPS" "train.log_every=1" "train.eval_every=10"
   "checkpoint.every=5" "checkpoint.async_save=true" "train.progress_bar=false"
   "train.peak_tflops=1.0")
+if want g; then
 stage "(g) tiny-deepseek-v3 (MTP on): train, kill -9 and resume, generate, HF and back"
 run "$WORK/ds_ref.log" "${DS_TRAIN[@]}" "train.run_dir=$WORK/ds_ref"
 grep -q "preparing" "$WORK/ds_ref.log" && fail "training prepared the corpus again (not stage a's)"
@@ -189,6 +230,7 @@ echo "   $out"
 out=$("$PY" "$CHECKS" logits "$WORK/ds_run/config.yml" "$DS_CKPT" "$WORK/ds_hf") \
   || fail "see above"
 passed "$out"
+fi
 
 echo
 echo "all stages passed in $((SECONDS - T0)) s"

@@ -18,7 +18,7 @@ from moetext.convert.safetensors_io import SafetensorsReader, write
 from moetext.errors import ConfigError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf"
-NAMES = ["dense_first_t5", "sparse_step_released", "qwen2_shared_expert"]
+NAMES = ["dense_first_t5", "sparse_step_released", "qwen2_shared_expert", "qwen3_chat"]
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:

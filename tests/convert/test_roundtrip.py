@@ -29,7 +29,9 @@ def _tensors(d: Path) -> dict[str, np.ndarray]:
     return {n: np.asarray(r.get(n)) for n in r.names()}
 
 
-@pytest.mark.parametrize("name", ["dense_first_t5", "sparse_step_released", "qwen2_shared_expert"])
+@pytest.mark.parametrize(
+    "name", ["dense_first_t5", "sparse_step_released", "qwen2_shared_expert", "qwen3_chat"]
+)
 def test_hf_orbax_hf_is_bit_exact(tmp_path, name):
     src = FIXTURES / name
     cfg = hf_to_orbax(src, tmp_path / "ckpt")
@@ -129,3 +131,28 @@ def test_tokenizer_files_travel_both_ways(tmp_path):
         assert (tmp_path / "hf" / name).read_bytes() == (src / name).read_bytes()
     ids = load_tokenizer(str(tmp_path / "hf")).encode("hello world")
     assert ids == load_tokenizer(str(src)).encode("hello world")
+
+
+def test_a_run_with_an_hf_tokenizer_exports_it_with_its_chat_template(tmp_path):
+    """A run's step directory (no tokenizer/ of its own) exports RUN_DIR/tokenizer, which a run
+    prepared with an HF tokenizer holds as tokenizer.json + tokenizer_config.json (the chat
+    template): a user serving the export elsewhere gets the tokenizer and template it was
+    trained with."""
+    from moetext.data.chat_template import load_chat_template
+    from moetext.data.tokenizer import load_tokenizer
+
+    src = FIXTURES / "qwen3_chat"
+    hf_to_orbax(src, tmp_path / "ckpt")
+    run = tmp_path / "run"
+    shutil.copytree(
+        tmp_path / "ckpt", run / "checkpoints" / "7", ignore=shutil.ignore_patterns("tokenizer")
+    )
+    load_tokenizer(str(src)).save(str(run / "tokenizer"))  # as data.save_tokenizer does
+    orbax_to_hf(run / "checkpoints" / "7", tmp_path / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "hf" / name).read_bytes() == (src / name).read_bytes(), name
+    assert "chat_template" in json.loads((tmp_path / "hf/tokenizer_config.json").read_text())
+    conv = [{"role": "user", "content": "3+5?"}, {"role": "assistant", "content": "8"}]
+    got = load_chat_template(load_tokenizer(str(tmp_path / "hf")), None).render(conv)
+    assert got == load_chat_template(load_tokenizer(str(src)), None).render(conv)
+    assert got.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n8<|im_end|>\n")  # Qwen3's
