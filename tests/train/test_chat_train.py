@@ -140,5 +140,6 @@ def _chat_session_on_stdin(run, step_dir):
             (want,), _ = chat.reply(model, tok, template, [conv], **kw)
             assert got == want + "\n", (conv, got, want)
             conv.append({"role": "assistant", "content": want})
-    # The history matters to these replies: on end_to_end/cpu/run_all.sh's SFT model the
-    # second turn's greedy reply is "1" after the first exchange and "11" alone (measured).
+    # The history matters to these replies: on a tiny SFT model fine-tuned from a pretraining
+    # run on a+b chats, the second turn's greedy reply was "1" after the first exchange and
+    # "11" alone (measured).
