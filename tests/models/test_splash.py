@@ -10,7 +10,8 @@ whose upper block the causal mask skips. Rows of segment 0 (padding) are left ou
 comparison: their output is junk on both paths (the kernel module's docstring says why), and the
 loss weights them 0, so no gradient flows from them on either.
 
-The 8-device check runs in a fresh interpreter (splash_worker.py).
+The 8-device check runs in a fresh interpreter (splash_worker.py); the last test compiles for a
+v5p chip with libtpu (marked tpu_aot).
 """
 
 import dataclasses
@@ -20,8 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import SingleDeviceSharding
 
 from fake_devices import run_worker
+from moetext import step_cost
+from moetext.aot import TOPOLOGY_BY_CHIP, tpu_devices
 from moetext.config.loader import from_dict
 from moetext.config.schema import ModelConfig
 from moetext.errors import ConfigError
@@ -140,3 +144,34 @@ def test_splash_under_8_device_rules_matches_single_device():
     assert r["shard_map"], "the sharded call did not run per shard"
     for key, value in r["rel"].items():
         assert value < REL_TOL, (key, value)
+
+
+@pytest.mark.tpu_aot
+def test_splash_compiles_with_mosaic_for_v5p_and_step_cost_counts_it():
+    """Ahead of time for one v5p chip (libtpu, no TPU): the forward and backward lower as Mosaic
+    kernels (tpu_custom_call), and step_cost counts their FLOPs by shape (splash carries no
+    pl.CostEstimate): forward 4, dq 6, dkv 8 x N x S x S x H x 1/2 (causal)."""
+    b, s, n, k, h = 1, 1024, 4, 2, 128
+    device = tpu_devices(TOPOLOGY_BY_CHIP["v5p"])[0]
+    sharding = SingleDeviceSharding(device)
+    bf16 = jnp.bfloat16
+    args = [
+        jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+        for shape, dt in (
+            ((b, s, n, h), bf16),
+            ((b, s, k, h), bf16),
+            ((b, s, k, h), bf16),
+            ((b, s), jnp.int32),
+        )  # fmt: skip
+    ]
+
+    def loss(q, kk, vv, seg):
+        return jnp.sum(attend(q, kk, vv, seg, kernel="auto").astype(jnp.float32))
+
+    with target.compiling_for("v5p"):
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+    text = compiled.as_text()
+    assert text.count("tpu_custom_call") >= 3  # forward, dq, dkv
+    cost = step_cost.hlo_cost(text)
+    assert cost.pallas_calls_without_estimate == 0
+    assert cost.flops >= (4 + 6 + 8) * n * s * s * h * 0.5
