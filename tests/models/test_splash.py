@@ -15,6 +15,7 @@ v5p chip with libtpu (marked tpu_aot).
 """
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -111,10 +112,12 @@ def test_auto_picks_splash_for_tpu_targets_only():
         splash_wanted("flash")
 
 
-def test_shapes_splash_cannot_take_stay_on_xla():
+def test_shapes_splash_cannot_take_stay_on_xla(caplog):
     q, kk, vv, seg, _ = _inputs(1, 200, 2, 1, 64, 64, True)
     assert "not a multiple of 128" in (splash.unfit_reason(q, kk, vv) or "")
-    out = attend(q, kk, vv, seg, kernel="splash")  # falls back to XLA: no interpreter run
+    with caplog.at_level(logging.WARNING):
+        out = attend(q, kk, vv, seg, kernel="splash")  # falls back to XLA: no interpreter run
+    assert "stays on XLA, not splash: sequence length 200" in caplog.text
     jaxpr = str(jax.make_jaxpr(lambda *a: attend(*a, kernel="splash"))(q, kk, vv, seg))
     assert "pallas_call" not in jaxpr
     np.testing.assert_array_equal(out, attend(q, kk, vv, seg, kernel="xla"))
