@@ -86,6 +86,7 @@ RESUME_SAFE = {
     "moe.bias_update_rate",
     "moe.initial_bias",
     "model.remat_policy",
+    "model.attention_kernel",
     "model.loss_chunk_size",
     *(
         f"kernels.{k}"

@@ -70,6 +70,11 @@ class ModelConfig:
     """Run the layer stack with nnx.scan over stacked params (fast compile for deep models)."""
     remat_policy: Literal["none", "full", "save_dots"] = resume_safe("none")
     """Per-layer activation checkpointing: none, full (recompute all), save_dots (keep matmuls)."""
+    attention_kernel: Literal["auto", "xla", "splash"] = resume_safe("auto")
+    """Self-attention kernel: splash (Pallas splash attention: score blocks stay on chip, causal
+    blocks skipped; interpreted off TPU), xla (plain XLA over blocks of 512 queries), auto: splash
+    when running on or compiling for a TPU, else xla. Shapes splash cannot take (a length not a
+    multiple of 128), decoding with a KV cache, and MLA (DeepSeek-V3) run on xla."""
     init_std: float = must_match(0.02)
     """Standard deviation of the normal initialiser for weight matrices and embeddings."""
     loss_chunk_size: int = resume_safe(2048)

@@ -6,7 +6,8 @@ G = N // K query heads per kv head, H head_dim (of q and k), V v's head dim (H u
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import logging
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,8 @@ import numpy as np
 from flax import nnx
 
 from moetext.config.schema import ModelConfig
+from moetext.kernels.pallas import target
+from moetext.models.layers import splash
 from moetext.models.layers.norms import RMSNorm
 from moetext.models.layers.params import as_dtype, make_param, normal, zeros
 from moetext.models.layers.project import project
@@ -28,6 +31,19 @@ Q_NAMES = ("embed", "heads", "head_dim")
 KV_NAMES = ("embed", "kv_heads", "head_dim")
 O_NAMES = ("heads", "head_dim", "embed")
 
+Kernel = Literal["auto", "xla", "splash"]
+_log = logging.getLogger(__name__)
+
+
+def splash_wanted(kernel: Kernel) -> bool:
+    """Whether `kernel` (model.attention_kernel) asks for splash attention: "splash" always,
+    "auto" when the code runs on, or is compiled ahead of time for, a TPU."""
+    if kernel not in ("auto", "xla", "splash"):
+        raise ValueError(f"attention kernel must be one of auto, xla, splash; got {kernel!r}")
+    if kernel == "auto":
+        return target.target_chip() is not None or jax.default_backend() == "tpu"
+    return kernel == "splash"
+
 
 def attend(
     q_BSNH: jax.Array,
@@ -37,6 +53,7 @@ def attend(
     *,
     mask_BST: jax.Array | None = None,
     scale: float | None = None,
+    kernel: Kernel = "xla",
 ) -> jax.Array:
     """Causal GQA softmax(q k^T * scale) v with f32 scores; returns [B, S, N, V] in v's dtype.
 
@@ -53,7 +70,18 @@ def attend(
     in one piece (its whole key row, the same softmax), but the f32 scores of only one block
     exist at a time ([B, N, QUERY_BLOCK, T] instead of [B, N, S, T]; 2 GiB -> 256 MiB per chip
     and layer for Qwen3-30B-A3B at 4096 tokens per chip).
+
+    kernel (`splash_wanted`): "splash" or "auto" on TPU run self-attention through Pallas splash
+    attention (models/layers/splash.py: no score block in HBM, causal blocks skipped) when
+    its shapes fit; decoding with mask_BST, and shapes it cannot take, stay on the XLA code here.
     """
+    if mask_BST is None and splash_wanted(kernel):
+        reason = splash.unfit_reason(q_BSNH, k_BTKH, v_BTKH)
+        if reason is None:
+            return splash.splash_attend(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, scale=scale)
+        # Asked for by name: a warning; by auto (short test sequences on TPU): a note.
+        level = logging.WARNING if kernel == "splash" else logging.INFO
+        _log.log(level, "attention stays on XLA, not splash: %s", reason)
     s, t = q_BSNH.shape[1], k_BTKH.shape[1]
     if mask_BST is not None or s != t or s <= QUERY_BLOCK or s % QUERY_BLOCK:
         return _attend_rows(q_BSNH, k_BTKH, v_BTKH, segment_ids_BS, mask_BST, 0, scale)
@@ -135,6 +163,7 @@ class Attention(nnx.Module):
             self.b_q = make_param(rngs, zeros, (n, h), ("heads", "head_dim"), pdt)
             self.b_k = make_param(rngs, zeros, (kv, h), ("kv_heads", "head_dim"), pdt)
             self.b_v = make_param(rngs, zeros, (kv, h), ("kv_heads", "head_dim"), pdt)
+        self.kernel: Kernel = cfg.attention_kernel
         self.qk_norm = qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(h, eps=cfg.rms_norm_eps, param_dtype=pdt, rngs=rngs)
@@ -148,7 +177,7 @@ class Attention(nnx.Module):
         segment_ids_BS: jax.Array | None = None,
     ) -> jax.Array:
         q_BSNH, k_BSKH, v_BSKH = self._qkv(x_BSD, cos_BSH, sin_BSH)
-        out_BSNH = attend(q_BSNH, k_BSKH, v_BSKH, segment_ids_BS)
+        out_BSNH = attend(q_BSNH, k_BSKH, v_BSKH, segment_ids_BS, kernel=self.kernel)
         return project("bsnh,nhd->bsd", out_BSNH, self.w_o[...], O_NAMES, self.dtype)
 
     def _project_rows(self, x_BSI: jax.Array, w: jax.Array, contract: int) -> jax.Array:
