@@ -62,7 +62,8 @@ LAYERS: dict[str, set[str]] = {
         "program",
         "hlo",
     },
-    "step_cost": {"errors", "aot", "hlo"},
+    "hlo_cost": {"hlo"},  # FLOPs and HBM bytes of optimised HLO
+    "step_cost": {"errors", "aot", "hlo_cost"},
     "convert": {"errors", "paths", "config", "models", "checkpoint"},
     "generate": {
         "errors",

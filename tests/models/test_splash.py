@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from fake_devices import run_worker
-from moetext import step_cost
+from moetext import hlo_cost
 from moetext.aot import TOPOLOGY_BY_CHIP, tpu_devices
 from moetext.config.loader import from_dict
 from moetext.config.schema import ModelConfig
@@ -175,6 +175,6 @@ def test_splash_compiles_with_mosaic_for_v5p_and_step_cost_counts_it():
         compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
     text = compiled.as_text()
     assert text.count("tpu_custom_call") >= 3  # forward, dq, dkv
-    cost = step_cost.hlo_cost(text)
+    cost = hlo_cost.hlo_cost(text)
     assert cost.pallas_calls_without_estimate == 0
     assert cost.flops >= (4 + 6 + 8) * n * s * s * h * 0.5

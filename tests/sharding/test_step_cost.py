@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import SingleDeviceSharding
 
-from moetext import aot, step_cost
+from moetext import aot, hlo_cost, step_cost
 
 L, M, K = 4, 256, 512
 
@@ -46,17 +46,17 @@ def _compile(fn, args):
 
 def test_scanned_matmul_flops_count_every_trip(args):
     fwd = _compile(_stack, args)
-    assert step_cost.hlo_cost(fwd.as_text()).flops == 2 * M * K * K * L
+    assert hlo_cost.hlo_cost(fwd.as_text()).flops == 2 * M * K * K * L
     # XLA counts the while body once: a quarter of the dots (plus its elementwise ops).
     assert fwd.cost_analysis()["flops"] < 2 * M * K * K * 1.1
     # The gradient w.r.t. the weights: forward, dx and dw matmuls of every layer.
     grad = _compile(jax.grad(_stack), args)
-    assert step_cost.hlo_cost(grad.as_text()).flops == 3 * 2 * M * K * K * L
+    assert hlo_cost.hlo_cost(grad.as_text()).flops == 3 * 2 * M * K * K * L
 
 
 def test_scanned_and_unrolled_stacks_cost_alike(args):
-    scan = step_cost.hlo_cost(_compile(_stack, args).as_text())
-    loop = step_cost.hlo_cost(_compile(_unrolled, args).as_text())
+    scan = hlo_cost.hlo_cost(_compile(_stack, args).as_text())
+    loop = hlo_cost.hlo_cost(_compile(_unrolled, args).as_text())
     assert scan.flops == loop.flops
     # Bytes: the same layers read the same weights and activations. The scan adds its carry
     # copies and per-trip slicing, the unrolled program fuses across layers, so the two agree
@@ -71,7 +71,7 @@ def test_loop_free_bytes_are_near_xla_cost_analysis(args):
     # Measured ratio 1.20 on this program (libtpu 0.0.50): XLA drops some operands it knows
     # stay in on-chip memory; the bound states that, not equality.
     c = _compile(jax.grad(_unrolled), args)
-    ours = step_cost.hlo_cost(c.as_text()).hbm_bytes
+    ours = hlo_cost.hlo_cost(c.as_text()).hbm_bytes
     xla = c.cost_analysis()["bytes accessed"]
     assert 0.9 < ours / xla < 1.35, (ours, xla)
 
@@ -111,7 +111,7 @@ def test_batched_dots_count_each_batch_once(args):
     q = jax.ShapeDtypeStruct((4, 128, 64), jnp.float32, sharding=s)
     k = jax.ShapeDtypeStruct((4, 256, 64), jnp.float32, sharding=s)
     c = _compile(lambda q, k: jnp.einsum("bqd,bkd->bqk", q, k), (q, k))
-    assert step_cost.hlo_cost(c.as_text()).flops == 2 * 4 * 128 * 256 * 64
+    assert hlo_cost.hlo_cost(c.as_text()).flops == 2 * 4 * 128 * 256 * 64
 
 
 def test_conditional_branches_count_as_run(args):
@@ -125,4 +125,4 @@ def test_conditional_branches_count_as_run(args):
         return jax.lax.scan(body, x, w)[0].sum()
 
     c = _compile(f, args)
-    assert step_cost.hlo_cost(c.as_text()).flops == 2 * M * K * K * L
+    assert hlo_cost.hlo_cost(c.as_text()).flops == 2 * M * K * K * L
