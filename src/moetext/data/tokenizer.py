@@ -88,12 +88,7 @@ class SentencePieceTokenizer:
 
     def save(self, directory: str) -> str:
         """Copies the model to DIRECTORY/tokenizer.model (loadable as the directory)."""
-        out = epath.Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        epath.Path(self.path).copy(out / SENTENCEPIECE_FILE, overwrite=True)
-        _copy_chat_template(self.path, out)
-        saved: str = os.fspath(out / SENTENCEPIECE_FILE)  # (etils.epath is untyped: Any)
-        return saved
+        return _save(directory, {self.path: SENTENCEPIECE_FILE})
 
     def __repr__(self) -> str:
         return f"SentencePieceTokenizer({self.path!r}, vocab_size={self.vocab_size})"
@@ -189,14 +184,10 @@ class HfTokenizer:
 
     def save(self, directory: str) -> str:
         """Copies tokenizer.json (+ tokenizer_config.json) into DIRECTORY."""
-        out = epath.Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        epath.Path(self.path).copy(out / HF_FILE, overwrite=True)
+        files = {self.path: HF_FILE}
         if self.config_path:
-            epath.Path(self.config_path).copy(out / HF_CONFIG_FILE, overwrite=True)
-        _copy_chat_template(self.path, out)
-        saved: str = os.fspath(out / HF_FILE)  # (etils.epath is untyped: Any)
-        return saved
+            files[self.config_path] = HF_CONFIG_FILE
+        return _save(directory, files)
 
     def __repr__(self) -> str:
         return f"HfTokenizer({self.path!r}, vocab_size={self.vocab_size})"
@@ -207,11 +198,19 @@ def _chat_template_files(tokenizer_path: str) -> list[str]:
     return [path] if os.path.isfile(path) else []
 
 
-def _copy_chat_template(tokenizer_path: str, out: Any) -> None:
-    """Copies a chat_template.jinja beside the tokenizer file along with it."""
-    template = epath.Path(os.path.dirname(os.path.abspath(tokenizer_path))) / CHAT_TEMPLATE_FILE
+def _save(directory: str, files: dict[str, str]) -> str:
+    """Copies each tokenizer file (path -> name) into DIRECTORY, the first's chat_template.jinja
+    along with them (when beside it) -> the first's copy, the path the tokenizer loads from."""
+    out = epath.Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    for path, name in files.items():
+        epath.Path(path).copy(out / name, overwrite=True)
+    first = next(iter(files))
+    template = epath.Path(os.path.dirname(os.path.abspath(first))) / CHAT_TEMPLATE_FILE
     if template.is_file():
         template.copy(out / CHAT_TEMPLATE_FILE, overwrite=True)
+    saved: str = os.fspath(out / files[first])  # (etils.epath is untyped: Any)
+    return saved
 
 
 def _token_content(token: Any) -> str | None:

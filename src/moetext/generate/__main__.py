@@ -88,9 +88,13 @@ def _complete(args: argparse.Namespace, model: Any, tok: Any, run: dict[str, Any
     n = sum(len(t) for t in out.tokens)
     dt = time.perf_counter() - t0
     print(f"generated {n} tokens in {dt:.1f} s (with compilation)", file=sys.stderr)
-    for prompt, text, ids, eos in zip(
-        args.prompt, texts, out.tokens, out.stopped_at_eos, strict=True
-    ):
+    _print(args, args.prompt, texts, out)
+
+
+def _print(args: argparse.Namespace, prompts: list[str], texts: list[str], out: Any) -> None:
+    """Each completion on stdout: its text, or with --jsonl a JSON line of the prompt, the
+    completion, its token ids and whether it stopped at EOS."""
+    for prompt, text, ids, eos in zip(prompts, texts, out.tokens, out.stopped_at_eos, strict=True):
         if args.jsonl:
             print(json.dumps({"prompt": prompt, "completion": text, "tokens": ids, "eos": eos}))
         else:
@@ -110,13 +114,7 @@ def _chat(args: argparse.Namespace, cfg: Any, model: Any, tok: Any, run: dict[st
         raise ConfigError("--chat -: a stdin session is the only --chat of its command")
     convs = [chat.conversation(u, args.system) for u in args.chat]
     replies, out = chat.reply(model, tok, template, convs, stop=stop, **run)
-    for user, text, ids, eos in zip(
-        args.chat, replies, out.tokens, out.stopped_at_eos, strict=True
-    ):
-        if args.jsonl:
-            print(json.dumps({"prompt": user, "completion": text, "tokens": ids, "eos": eos}))
-        else:
-            print(text)
+    _print(args, args.chat, replies, out)
     return 0
 
 

@@ -33,10 +33,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moetext.config.families import register_family_config
+from moetext.config.families import as_family_class, register_family_config
 from moetext.config.schema import KernelsConfig, ModelConfig, MoEConfig
 from moetext.errors import ConfigError
 from moetext.models.hf import HfAdapter, ParamPath
+from moetext.models.layers import scan
 from moetext.models.moe.routers import get_router
 
 
@@ -223,6 +224,53 @@ class ModelFamily:
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
             raise ValueError(f"model family name {self.name!r} must be a Python identifier")
+
+
+def typed_family[M: ModelConfig, E: MoEConfig](
+    name: str,
+    description: str,
+    *,
+    model_config: type[M],
+    moe_config: type[E],
+    build: Callable[[M, E, KernelsConfig, nnx.Rngs], nnx.Module],
+    moe_layers: Callable[[M], tuple[bool, ...]],
+    count_params: Callable[[M, E], ParamCounts],
+    flops_per_token: Callable[[M, E, int], float],
+    logical_axes: frozenset[str],
+    decode_cache: Callable[[M, int, int], Any] | None = None,
+    hf: HfAdapter | None = None,
+) -> ModelFamily:
+    """A ModelFamily whose functions take its own section classes (the sections as
+    config.families.as_family_class gives them: a base-class section built in code gets the
+    family's fields at their defaults), with both layer layouts, unscanned and scan_layers
+    (layers/scan.py), following moe_layers."""
+
+    def model(m: ModelConfig) -> M:
+        return as_family_class(m, model_config, "model", m.family)
+
+    def sections(m: ModelConfig, moe: MoEConfig) -> tuple[M, E]:
+        return model(m), as_family_class(moe, moe_config, "moe", m.family)
+
+    def layers(m: ModelConfig) -> tuple[bool, ...]:
+        return moe_layers(model(m))
+
+    cache = decode_cache
+    return ModelFamily(
+        name=name,
+        description=description,
+        build=lambda m, moe, k, rngs: build(*sections(m, moe), k, rngs),
+        moe_layers=layers,
+        count_params=lambda m, moe: count_params(*sections(m, moe)),
+        flops_per_token=lambda m, moe, seq_len: flops_per_token(*sections(m, moe), seq_len),
+        logical_axes=logical_axes,
+        stack_layers=lambda p, m: scan.stack_layers(p, layers(m)),
+        unstack_layers=lambda p, m: scan.unstack_layers(p, layers(m)),
+        stacked_path=lambda m, path: scan.stacked_path(path, layers(m)),
+        hf=hf,
+        model_config=model_config,
+        moe_config=moe_config,
+        decode_cache=None if cache is None else lambda m, b, n: cache(model(m), b, n),
+    )
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

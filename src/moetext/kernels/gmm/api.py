@@ -125,13 +125,8 @@ class Gmm:
         sizes, offset = _check_groups("gmm", sizes, g_local, group_offset)
         if existing_out is not None and existing_out.shape != (m, n):
             raise ValueError(f"gmm: existing_out must be {(m, n)}, got {existing_out.shape}")
-        if self.checked:
-            _runtime_check(sizes, m)
-        call = GmmCall(
-            jnp.dtype(preferred_element_type or lhs.dtype),
-            offset,
-            self.tiling,
-            transpose_rhs=bool(transpose_rhs),
+        call = self._call(
+            lhs, sizes, m, offset, preferred_element_type, transpose_rhs=transpose_rhs
         )
         if gather:
             swapped = None if transpose_rhs else minor_swapped(rhs.shape, gather)
@@ -150,6 +145,29 @@ class Gmm:
             return out
         mine = local_row_mask(sizes, offset, g_local, m)
         return jnp.where(mine[:, None], out, existing_out.astype(out.dtype))
+
+    def _call(
+        self,
+        lhs: jax.Array,
+        sizes: jax.Array,
+        m: int,
+        offset: jax.Array,
+        preferred_element_type: DTypeLike | None,
+        *,
+        transpose_rhs: bool = False,
+        num_groups: int | None = None,
+    ) -> GmmCall:
+        """The checked group sizes' call: its output dtype (lhs's by default), group offset and
+        tiling; with `checked`, a runtime check that the sizes are >= 0 and sum to at most m."""
+        if self.checked:
+            _runtime_check(sizes, m)
+        return GmmCall(
+            jnp.dtype(preferred_element_type or lhs.dtype),
+            offset,
+            self.tiling,
+            transpose_rhs=bool(transpose_rhs),
+            num_groups=num_groups,
+        )
 
     def tgmm(
         self,
@@ -173,14 +191,7 @@ class Gmm:
         g_total = _group_count("tgmm", sizes)
         num_local = g_total if num_groups is None else int(num_groups)
         sizes, offset = _check_groups("tgmm", sizes, num_local, group_offset)
-        if self.checked:
-            _runtime_check(sizes, m)
-        call = GmmCall(
-            jnp.dtype(preferred_element_type or lhs.dtype),
-            offset,
-            self.tiling,
-            num_groups=num_local,
-        )
+        call = self._call(lhs, sizes, m, offset, preferred_element_type, num_groups=num_local)
         return self.recipe.tgmm(self.backend, lhs, rhs, sizes, call)
 
     def store_residual(self, x: jax.Array) -> Any:

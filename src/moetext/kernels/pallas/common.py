@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.typing import DTypeLike
+from jax.typing import ArrayLike, DTypeLike
 
 from moetext.kernels.pallas import target
 
@@ -97,7 +97,7 @@ def max_visits(m: int, tm: int, num_local: int) -> int:
 
 def make_group_metadata(
     group_sizes_G: jax.Array,
-    group_offset: jax.Array,
+    group_offset: ArrayLike,
     *,
     num_local: int,
     m: int,

@@ -30,7 +30,6 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 from jax.typing import ArrayLike, DTypeLike
 
 from moetext.kernels.pallas import tiling as tiling_lib
@@ -57,6 +56,13 @@ from moetext.kernels.typed_jax import ShapeDtypeStruct
 # Chips whose MXU multiplies FP8 natively; elsewhere the tile is widened to bf16 in VMEM (exact:
 # every e4m3/e5m2 value is a bf16 value), which still halves HBM traffic against bf16 operands.
 NATIVE_FP8_CHIPS = frozenset({"tpu7x"})
+
+
+def scale_blocks(ls: tuple[int, int], rs: tuple[int, int]) -> list[tiling_lib.Block]:
+    """The VMEM blocks of an FP8 kernel's float32 scales ls [rows, nb] and rs [nb, cols] (nb
+    scale blocks), the nb dim padded to the (8, 128) float32 layout tile: lanes for ls,
+    sublanes for rs."""
+    return [(ls[0], max(ls[1], 128), jnp.float32), (max(rs[0], 8), rs[1], jnp.float32)]
 
 
 def mxu_dtype(chip: str, interpret: Interpret) -> jnp.dtype | None:
@@ -150,12 +156,7 @@ def gmm_fp8(
         "gmm_fp8", tiles, lhs_q, rhs_q, out_dtype, transpose_rhs=transpose_rhs
     )
     meta = make_group_metadata(
-        group_sizes,
-        jnp.asarray(group_offset, jnp.int32),
-        num_local=num_local,
-        m=m,
-        tm=tm,
-        visit_empty=False,
+        group_sizes, group_offset, num_local=num_local, m=m, tm=tm, visit_empty=False
     )
     ls = lhs_scale.astype(jnp.float32)  # [M, nb]
     rs = rhs_scale.astype(jnp.float32)
@@ -167,12 +168,7 @@ def gmm_fp8(
     # Output aliases a zero buffer so tiles no local group visits read as zeros.
     init_MN, init_spec, out_mn = gmm_aliased_out(None, m, n, tiles, out_dtype, interpret)
     needed = tiling_lib.vmem_bytes(
-        [
-            (tm, tk, lhs_q.dtype),
-            (tk, tn, rhs_q.dtype),
-            (tm, max(nb, 128), jnp.float32),
-            (max(nb, 8), tn, jnp.float32),
-        ],
+        [(tm, tk, lhs_q.dtype), (tk, tn, rhs_q.dtype), *scale_blocks((tm, nb), (nb, tn))],
         (tm, tn, out_dtype),
         (tm, tn),
     )
@@ -195,10 +191,7 @@ def gmm_fp8(
             (tm, tn),
         ),
         input_output_aliases={NUM_META + 4: 0},
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=GMM_DIMENSIONS,
-            vmem_limit_bytes=tiling_lib.vmem_limit("gmm_fp8", tiles, needed, chip),
-        ),
+        compiler_params=tiling_lib.compiler_params("gmm_fp8", GMM_DIMENSIONS, tiles, needed, chip),
         interpret=interpret,
         cost_estimate=pl.CostEstimate(
             flops=2 * m * k * n,

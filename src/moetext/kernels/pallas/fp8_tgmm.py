@@ -12,7 +12,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 from jax.typing import ArrayLike, DTypeLike
 
 from moetext.kernels.pallas import tiling as tiling_lib
@@ -31,7 +30,7 @@ from moetext.kernels.pallas.common import (
     tgmm_step,
     zero_rows_outside,
 )
-from moetext.kernels.pallas.fp8_gmm import fp8_tiling, mxu_dtype, pick_scale
+from moetext.kernels.pallas.fp8_gmm import fp8_tiling, mxu_dtype, pick_scale, scale_blocks
 from moetext.kernels.pallas.tiling import TilingArg
 from moetext.kernels.typed_jax import ShapeDtypeStruct
 
@@ -69,12 +68,7 @@ def tgmm_fp8(
     out_dtype = jnp.dtype(preferred_element_type)
     tiling_lib.check_tgmm_blocks("tgmm_fp8", tiles, lhs_q, rhs_q, out_dtype)
     meta = make_group_metadata(
-        group_sizes,
-        jnp.asarray(group_offset, jnp.int32),
-        num_local=num_groups,
-        m=m,
-        tm=tm,
-        visit_empty=True,
+        group_sizes, group_offset, num_local=num_groups, m=m, tm=tm, visit_empty=True
     )
     sb = tm // bs
     # Pad the scale blocks to whole row tiles with ones: the edge tile's blocks past M then hold
@@ -88,12 +82,7 @@ def tgmm_fp8(
     ls_spec = pl.BlockSpec((tk, mb_pad), on_tgmm_grid(lambda i, j, v: (i, 0)))
     rs_spec = pl.BlockSpec((mb_pad, tn), on_tgmm_grid(lambda i, j, v: (0, j)))
     needed = tiling_lib.vmem_bytes(
-        [
-            (tm, tk, lhs_q.dtype),
-            (tm, tn, rhs_q.dtype),
-            (tk, max(mb_pad, 128), jnp.float32),
-            (max(mb_pad, 8), tn, jnp.float32),
-        ],
+        [(tm, tk, lhs_q.dtype), (tm, tn, rhs_q.dtype), *scale_blocks((tk, mb_pad), (mb_pad, tn))],
         (tk, tn, out_dtype),
         (tk, tn),
     )
@@ -107,9 +96,8 @@ def tgmm_fp8(
             out_spec,
             (tk, tn),
         ),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=TGMM_DIMENSIONS,
-            vmem_limit_bytes=tiling_lib.vmem_limit("tgmm_fp8", tiles, needed, chip),
+        compiler_params=tiling_lib.compiler_params(
+            "tgmm_fp8", TGMM_DIMENSIONS, tiles, needed, chip
         ),
         interpret=interpret,
         cost_estimate=pl.CostEstimate(

@@ -28,7 +28,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 from jax.typing import ArrayLike, DTypeLike
 
 from moetext.kernels.pallas import tiling as tiling_lib
@@ -83,12 +82,7 @@ def gmm(
     tm, tk, tn = tiles
     tiling_lib.check_gmm_blocks("gmm", tiles, lhs_MK, rhs, out_dtype, transpose_rhs=transpose_rhs)
     meta = make_group_metadata(
-        group_sizes_G,
-        jnp.asarray(group_offset, jnp.int32),
-        num_local=num_local,
-        m=m,
-        tm=tm,
-        visit_empty=False,
+        group_sizes_G, group_offset, num_local=num_local, m=m, tm=tm, visit_empty=False
     )
     t_max = max_visits(m, tm, num_local)
     lhs_spec, rhs_spec, out_spec = gmm_block_specs(tm, tk, tn, transpose_rhs=transpose_rhs)
@@ -117,10 +111,7 @@ def gmm(
             (cdiv(n, tn), t_max, cdiv(k, tk)), [lhs_spec, rhs_spec, init_spec], out_spec, (tm, tn)
         ),
         input_output_aliases={NUM_META + 2: 0},
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=GMM_DIMENSIONS,
-            vmem_limit_bytes=tiling_lib.vmem_limit("gmm", tiles, needed, chip),
-        ),
+        compiler_params=tiling_lib.compiler_params("gmm", GMM_DIMENSIONS, tiles, needed, chip),
         interpret=interpret,
         cost_estimate=cost,
         name="moetext_gmm",
@@ -187,12 +178,7 @@ def tgmm(
     tm, tk, tn = tiles
     tiling_lib.check_tgmm_blocks("tgmm", tiles, lhs_MK, rhs_MN, out_dtype)
     meta = make_group_metadata(
-        group_sizes_G,
-        jnp.asarray(group_offset, jnp.int32),
-        num_local=num_groups,
-        m=m,
-        tm=tm,
-        visit_empty=True,
+        group_sizes_G, group_offset, num_local=num_groups, m=m, tm=tm, visit_empty=True
     )
     t_max = max_visits(m, tm, num_groups)
     lhs_spec, rhs_spec, out_spec = tgmm_block_specs(tm, tk, tn)
@@ -214,10 +200,7 @@ def tgmm(
         grid_spec=grouped_grid_spec(
             (tiles_k, tiles_n, t_max), [lhs_spec, rhs_spec], out_spec, (tk, tn)
         ),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=TGMM_DIMENSIONS,
-            vmem_limit_bytes=tiling_lib.vmem_limit("tgmm", tiles, needed, chip),
-        ),
+        compiler_params=tiling_lib.compiler_params("tgmm", TGMM_DIMENSIONS, tiles, needed, chip),
         interpret=interpret,
         cost_estimate=cost,
         name="moetext_tgmm",

@@ -14,10 +14,11 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
 from jax.typing import DTypeLike
 
 from moetext.kernels.pallas import target
-from moetext.kernels.pallas.common import cdiv, pow2_ceil
+from moetext.kernels.pallas.common import Dimensions, cdiv, pow2_ceil
 
 Tiling = tuple[int, int, int]
 # Per call: fixed (tm, tk, tn), a callable (m, k, n, dtype, chip) -> tiles (a TPU table), or None
@@ -203,6 +204,16 @@ def vmem_bytes(in_blocks: Sequence[Block], out_block: Block, acc_shape: tuple[in
         2 * sum(nbytes(b) for b in in_blocks)
         + 2 * nbytes(out_block)
         + nbytes((*acc_shape, jnp.float32))
+    )
+
+
+def compiler_params(
+    op: str, dimensions: Dimensions, tiling: Tiling, needed: int, chip: str
+) -> pltpu.CompilerParams:
+    """A grouped kernel's Mosaic parameters: its grid's dimension semantics and `vmem_limit`
+    for the `needed` VMEM bytes of its tiles."""
+    return pltpu.CompilerParams(
+        dimension_semantics=dimensions, vmem_limit_bytes=vmem_limit(op, tiling, needed, chip)
     )
 
 

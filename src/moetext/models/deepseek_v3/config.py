@@ -11,6 +11,7 @@ MLA does not read num_kv_heads or head_dim (its head dims are the fields below).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from moetext.config.families import as_family_class
 from moetext.config.fields import must_match, resume_safe, shapes_params
@@ -59,24 +60,7 @@ class DeepSeekModelConfig(ModelConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        dims = {
-            "kv_lora_rank": self.kv_lora_rank,
-            "qk_nope_head_dim": self.qk_nope_head_dim,
-            "qk_rope_head_dim": self.qk_rope_head_dim,
-            "v_head_dim": self.v_head_dim,
-        }
-        if self.q_lora_rank is not None:
-            dims["q_lora_rank"] = self.q_lora_rank
-        for name, value in dims.items():
-            if value <= 0:
-                raise ConfigError(
-                    f"model.{name} must be positive, got {value}"
-                    + (" (null: a plain query projection)" if name == "q_lora_rank" else "")
-                )
-        if self.qk_rope_head_dim % 2:
-            raise ConfigError(
-                f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even for RoPE"
-            )
+        check_mla_dims("model", self, MLA_DIMS)
         if not 0 <= self.first_k_dense_replace <= self.num_layers:
             raise ConfigError(
                 f"model.first_k_dense_replace={self.first_k_dense_replace} must be in "
@@ -118,3 +102,25 @@ def deepseek_model(m: ModelConfig) -> DeepSeekModelConfig:
     """The section as DeepSeekModelConfig (a base-class section built in code gets the DeepSeek
     fields at their defaults)."""
     return as_family_class(m, DeepSeekModelConfig, "model", m.family)
+
+
+# The model fields that size MLA (q_lora_rank None: a plain query projection).
+MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def check_mla_dims(section: str, cfg: Any, names: tuple[str, ...]) -> None:
+    """Multi-head latent attention's dimensions, cfg's fields `names` (deepseek_v3/mla.py): each
+    positive (q_lora_rank may be None: a plain query projection), qk_rope_head_dim even (RoPE
+    rotates pairs); a ConfigError naming `section`.field and its value otherwise."""
+    for name in names:
+        value = getattr(cfg, name)
+        if value is None and name == "q_lora_rank":
+            continue
+        if value <= 0:
+            raise ConfigError(
+                f"{section}.{name} must be positive, got {value}"
+                + (" (null: a plain query projection)" if name == "q_lora_rank" else "")
+            )
+    rope_dim = cfg.qk_rope_head_dim
+    if rope_dim % 2:
+        raise ConfigError(f"{section}.qk_rope_head_dim must be even for RoPE, got {rope_dim}")

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moetext.models.deepseek_v3 import rope
+from moetext.models.deepseek_v3.config import MLA_DIMS, check_mla_dims
 from moetext.models.family import CacheArray, zeros_cache
 from moetext.models.layers.attention import attend
 from moetext.models.layers.norms import RMSNorm
@@ -77,21 +78,7 @@ class MLAConfig:
     """Parameter dtype."""
 
     def __post_init__(self) -> None:
-        dims = {
-            "emb_dim": self.emb_dim,
-            "num_heads": self.num_heads,
-            "kv_lora_rank": self.kv_lora_rank,
-            "qk_nope_head_dim": self.qk_nope_head_dim,
-            "qk_rope_head_dim": self.qk_rope_head_dim,
-            "v_head_dim": self.v_head_dim,
-        }
-        if self.q_lora_rank is not None:
-            dims["q_lora_rank"] = self.q_lora_rank
-        bad = {k: v for k, v in dims.items() if v <= 0}
-        if bad:
-            raise ValueError(f"MLA dims must be positive (q_lora_rank may be None), got {bad}")
-        if self.qk_rope_head_dim % 2:
-            raise ValueError(f"qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
+        check_mla_dims("MLAConfig", self, ("emb_dim", "num_heads", *MLA_DIMS))
 
     @property
     def qk_head_dim(self) -> int:

@@ -13,34 +13,17 @@ from collections.abc import Callable
 
 from flax import nnx
 
-from moetext.config.families import as_family_class
-from moetext.config.schema import KernelsConfig, ModelConfig, MoEConfig
-from moetext.models.family import ModelFamily, ParamCounts, register_family
+from moetext.config.schema import KernelsConfig
+from moetext.models.family import ModelFamily, register_family, typed_family
 from moetext.models.hf import HfAdapter
-from moetext.models.layers.scan import stack_layers, stacked_path, unstack_layers
-from moetext.models.qwen3_moe.config import QwenModelConfig, QwenMoEConfig, qwen_sections
+from moetext.models.layers.decoder import STACK_AXES
+from moetext.models.qwen3_moe.config import QwenModelConfig, QwenMoEConfig
 from moetext.models.qwen3_moe.flops import decoder_flops_per_token, decoder_param_counts
 from moetext.models.qwen3_moe.hf import HF
 from moetext.models.qwen3_moe.model import Decoder, decode_cache, moe_layer_pattern
 
-# Params: embedding/head, attention, norms, dense MLP, router, experts; "layers" is the stacked
-# axis of scan_layers; activations: batch, length, embed, vocab (logits).
-LOGICAL_AXES = frozenset(
-    {
-        "batch",
-        "length",
-        "embed",
-        "vocab",
-        "heads",
-        "kv_heads",
-        "head_dim",
-        "mlp",
-        "exp",
-        "mlp_moe",
-        "norm",
-        "layers",
-    }
-)
+# The stack's axes (layers/decoder.py) and GQA's kv_heads.
+LOGICAL_AXES = STACK_AXES | {"kv_heads"}
 
 
 def decoder_family(
@@ -53,36 +36,21 @@ def decoder_family(
     """The Qwen3 Decoder as a family whose MoE layers `pattern` picks (qwen3_moe, dense):
     module tree, counts and layer restacking all follow the one pattern."""
 
-    def build(m: ModelConfig, moe: MoEConfig, k: KernelsConfig, rngs: nnx.Rngs) -> Decoder:
-        qm, qmoe = qwen_sections(m, moe)
-        return Decoder(qm, qmoe, k, moe_pattern=pattern(qm), rngs=rngs)
+    def build(m: QwenModelConfig, moe: QwenMoEConfig, k: KernelsConfig, rngs: nnx.Rngs) -> Decoder:
+        return Decoder(m, moe, k, moe_pattern=pattern(m), rngs=rngs)
 
-    def count(m: ModelConfig, moe: MoEConfig) -> ParamCounts:
-        qm, qmoe = qwen_sections(m, moe)
-        return decoder_param_counts(qm, qmoe, pattern(qm))
-
-    def flops(m: ModelConfig, moe: MoEConfig, seq_len: int) -> float:
-        qm, qmoe = qwen_sections(m, moe)
-        return decoder_flops_per_token(qm, qmoe, seq_len, pattern(qm))
-
-    def layers(m: ModelConfig) -> tuple[bool, ...]:
-        return pattern(as_family_class(m, QwenModelConfig, "model", m.family))
-
-    return ModelFamily(
-        name=name,
-        description=description,
-        build=build,
-        moe_layers=layers,
-        count_params=count,
-        flops_per_token=flops,
-        logical_axes=logical_axes,
-        stack_layers=lambda p, m: stack_layers(p, layers(m)),
-        unstack_layers=lambda p, m: unstack_layers(p, layers(m)),
-        stacked_path=lambda m, path: stacked_path(path, layers(m)),
+    return typed_family(
+        name,
+        description,
         model_config=QwenModelConfig,
         moe_config=QwenMoEConfig,
-        hf=hf,
+        build=build,
+        moe_layers=pattern,
+        count_params=lambda m, moe: decoder_param_counts(m, moe, pattern(m)),
+        flops_per_token=lambda m, moe, s: decoder_flops_per_token(m, moe, s, pattern(m)),
+        logical_axes=logical_axes,
         decode_cache=decode_cache,
+        hf=hf,
     )
 
 

@@ -9,11 +9,10 @@ Legend: T tokens (B*S flattened), E experts, K experts per token.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
-from jax.typing import DTypeLike
 
 from moetext.config.schema import MoEConfig
 from moetext.models.layers.params import make_model_state
@@ -39,18 +38,9 @@ class SigmoidTopK(GateRouter):
     group_score = "top2_sum"
     norm_eps = 1e-20
 
-    def __init__(
-        self,
-        cfg: MoEConfig,
-        *,
-        emb_dim: int,
-        init_std: float,
-        param_dtype: DTypeLike,
-        rngs: nnx.Rngs,
-    ):
-        super().__init__(
-            cfg, emb_dim=emb_dim, init_std=init_std, param_dtype=param_dtype, rngs=rngs
-        )
+    def __init__(self, cfg: MoEConfig, **dims: Any):
+        """dims: GateRouter's (emb_dim, init_std, param_dtype, rngs)."""
+        super().__init__(cfg, **dims)
         self.rate = cfg.bias_update_rate
         bias = jnp.asarray(cfg.initial_bias or [0.0] * cfg.num_experts, jnp.float32)
         self.selection_bias = make_model_state(bias, (None,))
