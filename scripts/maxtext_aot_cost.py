@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import moetext  # noqa: E402,F401,I001
-from moetext import aot, config, models, step_cost  # noqa: E402,F401
+from moetext import aot, config, hlo, models, step_cost  # noqa: E402,F401
 
 TOOL = REPO.parent / "shared" / "tools" / "maxtext_aot_compile.sh"
 # MaxText model_name -> the moetext config of the same published shape.
@@ -134,13 +134,13 @@ def main(argv: list[str]) -> int:
             print(f"maxtext_aot_cost: MaxText's compile failed:\n{err}", file=sys.stderr)
             return 1
     log = (out / "maxtext_aot.log").read_text()
-    hlo = _train_step_hlo(dump)
+    text = _train_step_hlo(dump)
 
     cfg = config.load(REPO / MODELS[a.model], [f"data.seq_len={a.seq_len}"])
     model_flops = models.get_family(cfg.model.family).flops_per_token(
         cfg.model, cfg.moe, a.seq_len
     ) * (a.per_device_batch * a.seq_len)
-    coll = aot.collectives(hlo)
+    coll = hlo.collectives(text)
     r: dict = {
         "framework": "maxtext 0.2.5",
         "model": a.model,
@@ -154,7 +154,7 @@ def main(argv: list[str]) -> int:
         **_memory(log),
         "collectives": [{"op": op, "dtypes": dt, **v} for (op, dt), v in sorted(coll.items())],
     }
-    r.update(step_cost.step_cost(r, [hlo]))
+    r.update(step_cost.step_cost(r, [text]))
     mem = r.get("argument_size_bytes"), r.get("temp_size_bytes")
     print(
         f"MaxText {a.model} on {a.topology} ({topo}), {a.per_device_batch} x {a.seq_len} tokens "

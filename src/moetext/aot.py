@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from moetext.hlo import collectives
+from moetext import hlo
 from moetext.kernels.pallas import target as pallas_target
 
 if TYPE_CHECKING:
@@ -257,10 +257,10 @@ def report(step: CompiledStep) -> dict[str, Any]:
     cfg, b, compiled = step.built.cfg, step.built, step.compiled
     chips = b.mesh.devices.size
     tokens_per_chip = cfg.data.global_batch_size * cfg.data.seq_len / chips
-    hlo = hlo_text(compiled)
-    coll = collectives(hlo)
-    by_shape = sorted(collectives(hlo, by="shape").items(), key=lambda kv: -kv[1]["bytes"])
-    by_axis = collectives(hlo, by="axis", mesh_shape=dict(b.mesh.shape))
+    text = hlo_text(compiled)
+    coll = hlo.collectives(text)
+    by_shape = sorted(hlo.collectives(text, by="shape").items(), key=lambda kv: -kv[1]["bytes"])
+    by_axis = hlo.collectives(text, by="axis", mesh_shape=dict(b.mesh.shape))
     return {
         "topology": step.topology,
         "chips": chips,

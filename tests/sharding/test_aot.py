@@ -49,7 +49,7 @@ backend_config={"known_trip_count":{"n":"48"}}
 
 
 def test_collective_parser_counts_scan_bodies_per_trip():
-    got = {k: {"count": v["count"], "bytes": v["bytes"]} for k, v in aot.collectives(HLO).items()}
+    got = {k: {"count": v["count"], "bytes": v["bytes"]} for k, v in hlo.collectives(HLO).items()}
     assert got[("all-gather", "bf16")] == {"count": 48, "bytes": 48 * 32 * 16 * 2}
     assert got[("all-reduce", "f32")] == {"count": 48, "bytes": 48 * 4 * 4}
     assert got[("reduce-scatter", "f32")] == {"count": 1, "bytes": 2 * 3 * 4}
@@ -60,7 +60,7 @@ def test_collective_parser_counts_scan_bodies_per_trip():
     # (Result bytes: the full-size input, as the fusion's all-reduce has it.)
     assert got[("all-reduce-scatter", "f32")] == {"count": 1, "bytes": 8 * 4 * 4}
     assert len(got) == 7  # the -done half of an async pair is not counted again
-    shapes = aot.collectives(HLO, by="shape")
+    shapes = hlo.collectives(HLO, by="shape")
     assert shapes[("all-gather", "f8e4m3fn[128,2048,768]")]["count"] == 1
     assert shapes[("all-gather", "bf16[32,16]")]["count"] == 48
 
@@ -69,7 +69,7 @@ def test_sent_bytes_follow_the_ring_estimate_per_group_size():
     # Groups of 4 in every spelling XLA prints (explicit list, iota, named mesh axes, none =
     # all num_partitions devices): an all-gather sends 3/4 of its result, an all-reduce twice
     # that, a reduce-scatter 3 times its (quarter-size) result; the rest send their result.
-    sent = {k: v["sent"] for k, v in aot.collectives(HLO).items()}
+    sent = {k: v["sent"] for k, v in hlo.collectives(HLO).items()}
     assert sent[("all-gather", "bf16")] == 48 * 32 * 16 * 2 * 3 / 4
     assert sent[("all-reduce", "f32")] == 48 * 4 * 4 * 2 * 3 / 4
     assert sent[("reduce-scatter", "f32")] == 2 * 3 * 4 * 3

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from moetext import hlo
 from moetext.sharding import torus
 
 
@@ -120,7 +121,6 @@ def _scatter_ops(mesh, dtype: str = "float32") -> set[str]:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
 
-    from moetext import aot
     from moetext.kernels.gmm.gather import psum_scatter_dims
 
     axes = tuple(a for a in mesh.axis_names if a.startswith("fsdp"))
@@ -137,7 +137,7 @@ def _scatter_ops(mesh, dtype: str = "float32") -> set[str]:
         (mesh.size, 4096, 4096), jnp.dtype(dtype), sharding=NamedSharding(mesh, P(axes))
     )
     text = jax.jit(scatter).lower(parts).compile().as_text() or ""
-    return {op for op, _ in aot.collectives(text, by="shape")}
+    return {op for op, _ in hlo.collectives(text, by="shape")}
 
 
 @pytest.mark.tpu_aot
@@ -211,7 +211,6 @@ def _dense_step_ops(topology: str, split_dense: bool) -> set[tuple[str, str]]:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
 
-    from moetext import aot
     from moetext.models.layers.project import project
     from moetext.program.loss import fused_masked_nll
     from moetext.sharding import fsdp, load_preset, logical
@@ -239,7 +238,7 @@ def _dense_step_ops(topology: str, split_dense: bool) -> set[tuple[str, str]]:
     )
     with logical.use_rules(mesh, preset.rules), fsdp.split_dense_gathers(split_dense):
         compiled = jax.jit(jax.grad(loss, argnums=(1, 2))).lower(*args).compile()
-    return {(op, shape) for (op, shape) in aot.collectives(compiled.as_text() or "", by="shape")}
+    return {(op, shape) for (op, shape) in hlo.collectives(compiled.as_text() or "", by="shape")}
 
 
 @pytest.mark.tpu_aot
