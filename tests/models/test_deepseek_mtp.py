@@ -24,8 +24,9 @@ from flax import nnx
 from tiny_configs import KERNELS, TINY_DEEPSEEK_MOE, tiny_deepseek
 
 from moetext import config, models, program, train
-from moetext.data.batch import from_tokens
+from moetext.data.batch import from_tokens, target_mask
 from moetext.generate.decode import generate_ids
+from moetext.models.deepseek_v3.mtp import depth_mask
 from moetext.program.step import accumulated_value_and_grad, make_eval_step, make_loss_fn
 
 REPO = Path(__file__).resolve().parents[2]
@@ -104,14 +105,50 @@ def test_total_loss_is_ce_plus_moe_plus_weighted_mtp(built):
         b.state.params, _batch(packed=True), b.state.model_state
     )
     assert float(ev["eval_loss"]) == pytest.approx(float(loss), rel=2.5e-7)
+    assert float(ev["eval_mtp_loss"]) == float(aux["mtp_loss"])
+
+
+def test_eval_in_micro_batches_reports_the_whole_batch_mtp_loss(built, yml):
+    b = built
+    batch = _uneven_batch()
+    one = jax.jit(make_eval_step(b.graphdef, b.rest))(b.state.params, batch, b.state.model_state)
+    two = jax.jit(make_eval_step(b.graphdef, b.rest, 2))(b.state.params, batch, b.state.model_state)
+    assert float(two["eval_mtp_loss"]) == pytest.approx(float(one["eval_mtp_loss"]), rel=2e-6)
+    assert float(two["eval_loss"]) == pytest.approx(float(one["eval_loss"]), rel=2e-6)
+    # A model without MTP reports no eval_mtp_loss (no loss terms).
+    plain = program.build(_cfg(yml, ["model.mtp_layers=0"]), jax.devices()[:1])
+    ev = jax.jit(make_eval_step(plain.graphdef, plain.rest))(
+        plain.state.params, batch, plain.state.model_state
+    )
+    assert "eval_mtp_loss" not in ev and "eval_loss" in ev
+
+
+def _uneven_batch():
+    """Micro-batches (of 2, strided: rows 0, 2 and rows 1, 3) with unequal MTP target counts:
+    row 2 is mostly padding, rows 0 and 1 hold two documents each, a loss mask drops part of
+    row 3. (Three documents in each micro-batch: the sequence-wise balance loss, a mean over
+    documents per micro-batch, is then the step's too.)"""
+    batch = _batch(packed=True)
+    batch["segment_ids"][0, 10:] = 2
+    batch["positions"][0, 10:] = np.arange(S + 1 - 10)
+    batch["segment_ids"][2, 5:] = 0
+    batch["loss_mask"] = np.ones_like(batch["tokens"])
+    batch["loss_mask"][3, 3:9] = 0
+    return batch
 
 
 def test_gradient_accumulation_equals_the_whole_batch(built):
-    # Unpacked rows: every micro-batch counts as many MTP targets, so the mean of the
-    # micro-batches' mtp_loss is the whole batch's (with padding it is their mean, as moe_loss).
+    # The micro-batches count different numbers of MTP targets: mtp_loss (the sum over the
+    # step's valid targets / their count, per depth) and its gradients are still the unsplit
+    # step's, as the CE's are.
     b = built
-    batch = _batch(packed=False)
+    batch = _uneven_batch()
     loss_fn = make_loss_fn(b.graphdef, b.rest)
+    mask, seg = target_mask(batch), batch["segment_ids"][:, :-1]
+    counts = [
+        int(depth_mask(jnp.asarray(mask[r::2]), jnp.asarray(seg[r::2]), 1).sum()) for r in (0, 1)
+    ]
+    assert counts[0] != counts[1], counts
     plain = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
     split = jax.jit(accumulated_value_and_grad(loss_fn, 2))
     (l1, (_, aux1, _, _)), g1 = plain(b.state.params, batch, b.state.model_state)
@@ -122,6 +159,15 @@ def test_gradient_accumulation_equals_the_whole_batch(built):
     assert float(l2) == pytest.approx(float(l1), rel=2e-6)
     for a, c in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
         assert float(jnp.max(jnp.abs(c - a))) <= 1e-5 * float(jnp.max(jnp.abs(a)))
+    # Each micro-batch's own mean differs from the step's, so the old per-micro-batch mean
+    # (the mean of the two) would not have matched: the check above can fail.
+    own = []
+    for r in (0, 1):
+        micro = {k: v[r::2] for k, v in batch.items()}
+        own.append(
+            float(jax.jit(loss_fn)(b.state.params, micro, b.state.model_state)[1][1]["mtp_loss"])
+        )
+    assert abs(np.mean(own) - float(aux1["mtp_loss"])) > 1e-4 * float(aux1["mtp_loss"]), own
     # The gradient reaches every MTP param and the shared embedding and head.
     mtp = nnx.to_flat_state(g1["mtp"])
     assert mtp and all(float(jnp.max(jnp.abs(v.get_value()))) > 0 for _, v in mtp), [
@@ -153,6 +199,7 @@ def test_tiny_deepseek_with_mtp_trains_and_logs_mtp_loss(yml, tmp_path):
             f"max_vio/layer_{i}" for i in (1, 2, 3)
         }
     assert np.isfinite(logged[-1]["eval_loss"])
+    assert np.isfinite(logged[-1]["eval_mtp_loss"]) and logged[-1]["eval_mtp_loss"] > 0
 
 
 def test_decoding_ignores_the_mtp_modules():

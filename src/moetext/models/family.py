@@ -123,6 +123,18 @@ class LossTargets:
     nll: NllFn
     """The trainer's masked NLL of hidden states under an LM head: the fused, vocab-chunked
     loss (program/loss.py) when the model's loss_chunk_size > 0, else through the logits."""
+    step_mask_BS: jax.Array | None = None
+    """bool [N * B, S]: mask_BS of the whole step when this batch is one of its N micro-batches
+    (gradient accumulation, an eval batch in micro-batches); None when the batch is the step."""
+    step_segment_ids_BS: jax.Array | None = None
+    """int32 [N * B, S]: the whole step's input segment ids, with step_mask_BS."""
+
+    @property
+    def micro_batches(self) -> int:
+        """N: how many micro-batches of this batch's size the step has (1 without a step)."""
+        if self.step_mask_BS is None:
+            return 1
+        return self.step_mask_BS.shape[0] // self.mask_BS.shape[0]
 
 
 @runtime_checkable
@@ -132,11 +144,23 @@ class TargetsLM(CausalLM, Protocol):
 
     When reads_targets is True, the trainer's loss (train and eval steps) calls `__call__` or
     `hidden_states` with the keyword `targets=LossTargets(...)`; the model then adds its extra
-    terms to aux (EXTRA_LOSS_KEY weighted, their unweighted values by name). Without targets
-    (decoding, logits for tests) it runs as a plain CausalLM."""
+    terms to aux (EXTRA_LOSS_KEY weighted, their unweighted values by name, listed in
+    loss_terms: the eval step reports each as eval_<name>). Without targets (decoding, logits
+    for tests) it runs as a plain CausalLM.
+
+    The trainer takes the mean over micro-batches of every aux term, so a term that is a mean
+    over counted targets stays exact under gradient accumulation when the model divides each
+    micro-batch's sum by the step's count over N (LossTargets.step_mask_BS, micro_batches):
+    the N means then average to the sum over the step / the step's count, as without
+    accumulation (the main CE is normalised the same way: by the step's count of targets)."""
 
     @property
     def reads_targets(self) -> bool: ...
+
+    @property
+    def loss_terms(self) -> tuple[str, ...]:
+        """The aux names of the unweighted extra loss terms (empty when it adds none)."""
+        ...
 
 
 @runtime_checkable

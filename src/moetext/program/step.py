@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +39,22 @@ ModelStates = nnx.State[Any, Any] | None
 Metrics = dict[str, jax.Array]  # scalars, and per-layer arrays such as expert_load
 # loss_fn's auxiliary output: (ce, the model's aux dict, nll_sum, count).
 LossAux = tuple[jax.Array, dict[str, jax.Array], jax.Array, jax.Array]
-LossFn = Callable[[Params, Batch, ModelStates], tuple[jax.Array, LossAux]]
+
+
+class LossFn(Protocol):
+    """(params, batch, model_state, the whole step's batch when batch is one of its micro-batches)
+    -> (loss, LossAux): make_loss_fn's."""
+
+    def __call__(
+        self,
+        params: Params,
+        batch: Batch,
+        model_state: ModelStates = None,
+        step: Batch | None = None,
+        /,
+    ) -> tuple[jax.Array, LossAux]: ...
+
+
 GradFn = Callable[[Params, Batch, ModelStates], tuple[tuple[jax.Array, LossAux], Params]]
 # (params, model_state, a micro-batch's aux) -> the model state the next micro-batch reads.
 Accumulate = Callable[[Params, ModelStates, dict[str, jax.Array]], Any]
@@ -48,8 +63,8 @@ Losses = tuple[jax.Array, jax.Array, dict[str, jax.Array]]
 
 
 def make_loss_fn(graphdef: nnx.GraphDef[Any], rest: nnx.State[Any, Any]) -> LossFn:
-    """loss_fn(params, batch, model_state=None) -> (ce + added_loss(aux), (ce, aux, nll_sum,
-    count)).
+    """loss_fn(params, batch, model_state=None, step=None) -> (ce + added_loss(aux), (ce, aux,
+    nll_sum, count)).
 
     ce is the mean NLL over the counted targets: not padding, and in the same segment as their
     input token (a document's first token is not predicted from the previous document). A model
@@ -57,13 +72,15 @@ def make_loss_fn(graphdef: nnx.GraphDef[Any], rest: nnx.State[Any, Any]) -> Loss
     vocab-chunked LM head + cross-entropy (program/loss.py); any other the full logits.
     added_loss(aux) (models/family.py) is the model's weighted moe_loss plus its extra_loss, if
     any: a model reading targets (models.TargetsLM, e.g. multi-token prediction) gets them and
-    the same NLL function as the main loss (models.LossTargets) and weighs its own terms.
+    the same NLL function as the main loss (models.LossTargets) and weighs its own terms; step,
+    the whole step's batch when batch is one of its micro-batches, reaches it as the step's
+    target mask and segment ids, so it can normalise its terms by the step's counts.
     Differentiated with respect to params only (argument 0): model_state (the model's
     ModelState variables, required when it has any) is read, never a gradient's.
     """
 
     def loss_fn(
-        params: Params, batch: Batch, model_state: ModelStates = None
+        params: Params, batch: Batch, model_state: ModelStates = None, step: Batch | None = None
     ) -> tuple[jax.Array, LossAux]:
         states = (params, rest) if model_state is None else (params, model_state, rest)
         model = nnx.merge(graphdef, *states)
@@ -78,7 +95,11 @@ def make_loss_fn(graphdef: nnx.GraphDef[Any], rest: nnx.State[Any, Any]) -> Loss
             nll = logits_masked_nll
             if chunk > 0:
                 nll = functools.partial(fused_masked_nll, chunk_size=chunk)
-            inputs["targets"] = LossTargets(targets_BS, mask_BS, nll)
+            step_views: dict[str, jax.Array] = {}
+            if step is not None:
+                step_views["step_mask_BS"] = target_mask(step)
+                step_views["step_segment_ids_BS"] = step["segment_ids"][:, :-1]
+            inputs["targets"] = LossTargets(targets_BS, mask_BS, nll, **step_views)
         if isinstance(model, HiddenStatesLM) and chunk > 0:
             h_BSD, aux = model.hidden_states(tokens_BS1[:, :-1], **inputs)
             nll_sum, count = fused_masked_nll(
@@ -230,9 +251,11 @@ def accumulated_value_and_grad(
     Micro-batch i's loss is nll_sum_i / C + added_loss_i / n, with C the counted targets of the
     whole batch, so the micro-batch losses sum to the whole batch's CE exactly (micro-batches
     with more padding weigh less, as their targets do in the unsplit mean) plus the model's
-    added losses (moe_loss, extra_loss) averaged over micro-batches (each is a per-micro-batch
-    statistic, as in MaxText and Megatron-Core; equal to the whole batch's when every
-    micro-batch counts as many of its targets, e.g. an MTP depth's over unpadded rows).
+    added losses (moe_loss, extra_loss) averaged over micro-batches. moe_loss is a
+    per-micro-batch statistic (as in MaxText and Megatron-Core); a model's extra loss over
+    counted targets (MTP) is exact: each micro-batch's loss_fn sees the whole batch (its target
+    mask and segment ids) and divides its sums by the whole batch's counts / n, so their mean
+    is the unsplit batch's (models.TargetsLM).
     ce and nll_sum/count are the whole batch's; the model's aux outputs (moe_loss, mtp_loss,
     expert_load, ...) are the mean over micro-batches, but counts (keys ending in _counts:
     expert_counts) their sum, the whole batch's. Gradients accumulate in float32 (or wider
@@ -244,9 +267,9 @@ def accumulated_value_and_grad(
     """
 
     def micro_loss(
-        params: Params, micro: Batch, total: jax.Array, model_state: ModelStates
+        params: Params, micro: Batch, total: jax.Array, model_state: ModelStates, step: Batch
     ) -> tuple[jax.Array, tuple[dict[str, jax.Array], jax.Array]]:
-        _, (_, aux, nll_sum, _) = loss_fn(params, micro, model_state)
+        _, (_, aux, nll_sum, _) = loss_fn(params, micro, model_state, step)
         return nll_sum / total + added_loss(aux) / n, (aux, nll_sum)
 
     micro_grad = jax.value_and_grad(micro_loss, has_aux=True)
@@ -268,7 +291,7 @@ def accumulated_value_and_grad(
 
         def body(carry: tuple[Params, Any], mb: Batch) -> tuple[Any, tuple[Any, ...]]:
             acc, ms = carry
-            (_, (aux, nll_sum)), grads = micro_grad(params, mb, total, ms)
+            (_, (aux, nll_sum)), grads = micro_grad(params, mb, total, ms, batch)
             acc = pin(jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads))
             if accumulate is not None:
                 ms = accumulate(params, ms, aux)
@@ -323,35 +346,48 @@ def make_eval_step(
     batch_sharding: NamedSharding | None = None,
 ) -> Callable[[Params, Batch, ModelStates], Metrics]:
     """eval_step(params, batch, model_state=None): eval_loss (ce + added_loss: moe_loss and the
-    model's extra_loss, as the train step's loss) and eval_ce_loss of the batch, and
-    eval_nll_sum / eval_tokens for a token-weighted CE (perplexity) across batches.
+    model's extra_loss, as the train step's loss) and eval_ce_loss of the batch,
+    eval_nll_sum / eval_tokens for a token-weighted CE (perplexity) across batches, and
+    eval_<name> for each unweighted extra loss term a models.TargetsLM names in loss_terms
+    (DeepSeek-V3's eval_mtp_loss).
 
     micro_batches N > 1 (train.grad_accum_steps) evaluates the batch as a lax.scan over N
     micro-batches split like the train step's, so eval fits wherever a train micro-batch does:
-    nll_sum and tokens are summed (ce is the whole batch's), the added loss is the
-    micro-batches' mean, as in the accumulated train step."""
+    nll_sum and tokens are summed (ce is the whole batch's), the added loss and the terms are
+    the micro-batches' mean, as in the accumulated train step (exact for terms over counted
+    targets, which the model normalises by the whole batch's counts)."""
     loss_fn = make_loss_fn(graphdef, rest)
 
-    def metrics(nll_sum: jax.Array, count: jax.Array, extra: jax.Array) -> Metrics:
+    def loss_terms(params: Params, model_state: ModelStates) -> tuple[str, ...]:
+        states = (params, rest) if model_state is None else (params, model_state, rest)
+        model = nnx.merge(graphdef, *states)
+        if isinstance(model, TargetsLM) and model.reads_targets:
+            return tuple(model.loss_terms)
+        return ()
+
+    def metrics(nll_sum: jax.Array, count: jax.Array, extra: jax.Array, terms: Metrics) -> Metrics:
         ce = nll_sum / jnp.maximum(count, 1.0)
         return {
             "eval_loss": ce + extra,
             "eval_ce_loss": ce,
             "eval_nll_sum": nll_sum,
             "eval_tokens": count,
+            **{f"eval_{k}": v for k, v in terms.items()},
         }
 
     def eval_step(params: Params, batch: Batch, model_state: ModelStates = None) -> Metrics:
+        names = loss_terms(params, model_state)
         if micro_batches == 1:
             _, (_, aux, nll_sum, count) = loss_fn(params, batch, model_state)
-            return metrics(nll_sum, count, added_loss(aux))
+            return metrics(nll_sum, count, added_loss(aux), {k: aux[k] for k in names})
         micro = {k: split_micro_batches(v, micro_batches, batch_sharding) for k, v in batch.items()}
 
-        def body(carry: None, mb: Batch) -> tuple[None, tuple[jax.Array, ...]]:
-            _, (_, aux, nll_sum, count) = loss_fn(params, mb, model_state)
-            return carry, (nll_sum, count, added_loss(aux))
+        def body(carry: None, mb: Batch) -> tuple[None, tuple[Any, ...]]:
+            _, (_, aux, nll_sum, count) = loss_fn(params, mb, model_state, batch)
+            return carry, (nll_sum, count, added_loss(aux), {k: aux[k] for k in names})
 
-        _, (nll_sums, counts, extras) = jax.lax.scan(body, None, micro)
-        return metrics(jnp.sum(nll_sums), jnp.sum(counts), jnp.mean(extras))
+        _, (nll_sums, counts, extras, terms) = jax.lax.scan(body, None, micro)
+        means = {k: jnp.mean(v) for k, v in terms.items()}
+        return metrics(jnp.sum(nll_sums), jnp.sum(counts), jnp.mean(extras), means)
 
     return eval_step

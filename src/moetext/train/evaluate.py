@@ -53,12 +53,15 @@ def evaluate(
     model_state: Any,
     eval_set: list[Batch],
 ) -> dict[str, float]:
-    """Mean eval_loss over the fixed batches; perplexity from the token-weighted CE."""
+    """Mean eval_loss over the fixed batches; perplexity from the token-weighted CE; the mean
+    over batches of each extra loss term the eval step reports (eval_mtp_loss), as eval_loss."""
     out = [jax.device_get(eval_step(params, batch, model_state)) for batch in eval_set]
     nll = sum(float(o["eval_nll_sum"]) for o in out)
     tokens = max(sum(float(o["eval_tokens"]) for o in out), 1.0)
+    weighted = ("eval_nll_sum", "eval_tokens", "eval_ce_loss")
+    means = {k: sum(float(o[k]) for o in out) / len(out) for k in out[0] if k not in weighted}
     return {
-        "eval_loss": sum(float(o["eval_loss"]) for o in out) / len(out),
+        **means,  # eval_loss and the terms
         "eval_ce_loss": nll / tokens,
         "eval_perplexity": float(np.exp(nll / tokens)),
     }

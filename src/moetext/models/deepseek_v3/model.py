@@ -30,7 +30,7 @@ from moetext.kernels.gmm import Gmm
 from moetext.models.deepseek_v3 import rope
 from moetext.models.deepseek_v3.config import DeepSeekModelConfig
 from moetext.models.deepseek_v3.mla import MLA, MLACache, MLAConfig
-from moetext.models.deepseek_v3.mtp import MTP
+from moetext.models.deepseek_v3.mtp import MTP, MTP_LOSS_KEY
 from moetext.models.family import CacheArray, LossTargets, zeros_cache
 from moetext.models.layers.decoder import (
     Aux,
@@ -193,6 +193,11 @@ class Decoder(LayerStack):
     def reads_targets(self) -> bool:
         """models.TargetsLM: the training loss passes targets when there are MTP modules."""
         return self.cfg.mtp_layers > 0
+
+    @property
+    def loss_terms(self) -> tuple[str, ...]:
+        """models.TargetsLM: the unweighted loss terms it adds to aux with targets."""
+        return (MTP_LOSS_KEY,) if self.reads_targets else ()
 
     def _run_mtp(
         self,

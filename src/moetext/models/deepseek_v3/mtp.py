@@ -21,6 +21,12 @@ i + k (not padding, same document as its input, in a chat batch's loss_mask) and
 in position i's document (segment ids equal): so no target past the row, in padding or in
 another document than h_0's at i. A packed document is one run of a segment id, so then every
 token between them is in that document too (the layer's attention never crosses it either).
+
+L_k's mean is over the step's valid targets, as the main CE's: when the batch is one of N
+micro-batches of a step (gradient accumulation; LossTargets.step_mask_BS), a micro-batch's L_k is
+its NLL sum divided by C_k / N, C_k the step's count of depth-k targets, so the trainer's mean
+of the N micro-batches' mtp_loss (and of the gradients) is the unsplit step's exactly, however
+unevenly padding, document boundaries or loss masks spread the valid targets over them.
 """
 
 from __future__ import annotations
@@ -138,7 +144,7 @@ class MTP(nnx.Module):
             e_BSD = jnp.take(embed_VD, tokens_BS, axis=0)
             h_BSD, out_BSD, aux = depth(e_BSD, h_BSD, run_layer)
             nll_sum, count = targets.nll(out_BSD, head_VD, target_BS, mask_BS)
-            losses.append(nll_sum / jnp.maximum(count, 1.0))
+            losses.append(nll_sum / step_share(targets, count, k))
             layer_aux.append(aux)
         mtp_loss = jnp.mean(jnp.stack(losses)).astype(jnp.float32)
         return {MTP_LOSS_KEY: mtp_loss, EXTRA_LOSS_KEY: self.weight * mtp_loss}, layer_aux
@@ -151,13 +157,28 @@ def depth_targets(
     targets y (y[i] = t_{i+1}): inputs y[i + k - 1], targets y[i + k], counted where the main
     mask counts y[i + k] and position i + k is in position i's segment; positions whose
     targets fall past the row read token 0 and never count."""
-    y_BS, m_BS = targets.targets_BS, targets.mask_BS.astype(bool)
+    y_BS = targets.targets_BS
     tokens_BS = _shift_left(y_BS, k - 1)
     target_BS = _shift_left(y_BS, k)
-    mask_BS = _shift_left(m_BS, k)  # False past the row
+    return tokens_BS, target_BS, depth_mask(targets.mask_BS, segment_ids_BS, k)
+
+
+def depth_mask(mask_BS: jax.Array, segment_ids_BS: jax.Array | None, k: int) -> jax.Array:
+    """Which depth-k targets count (depth_targets), from the main mask and segment ids."""
+    out_BS = _shift_left(mask_BS.astype(bool), k)  # False past the row
     if segment_ids_BS is not None:
-        mask_BS = mask_BS & (_shift_left(segment_ids_BS, k) == segment_ids_BS)
-    return tokens_BS, target_BS, mask_BS
+        out_BS = out_BS & (_shift_left(segment_ids_BS, k) == segment_ids_BS)
+    return out_BS
+
+
+def step_share(targets: LossTargets, count: jax.Array, k: int) -> jax.Array:
+    """What a batch divides its depth-k NLL sum by: max(count, 1) for a whole step; for one of
+    N micro-batches, max(C_k, 1) / N with C_k the step's count (module docstring)."""
+    if targets.step_mask_BS is None:
+        return jnp.maximum(count, 1.0)
+    step_BS = depth_mask(targets.step_mask_BS, targets.step_segment_ids_BS, k)
+    total = jnp.maximum(jnp.sum(step_BS, dtype=jnp.float32), 1.0)
+    return total / targets.micro_batches
 
 
 def _shift_left(x_BS: jax.Array, k: int) -> jax.Array:
