@@ -319,3 +319,23 @@ def test_gradients_reach_every_parameter_and_axes_are_preset_names():
     assert len(leaves) == 7  # q_a, q_a_norm, q_b, kv_a, kv_a_norm, kv_b, o
     for leaf in leaves:
         assert set(leaf.get_value()) <= known, leaf
+
+
+def test_splash_attention_kernel_gives_the_xla_rows():
+    """model.attention_kernel reaches MLA (mla_config reads it by name): splash attention, here
+    through Pallas' interpreter, gives the XLA path's rows with V != P + R (packed segments)."""
+    kw = dict(q_lora=True, yarn=True, interleave=True)
+    xla = make_layer(config(**kw))
+    splash = make_layer(config(**kw, attention_kernel="splash"))
+    x_BSD = jax.random.normal(jax.random.key(3), (1, 128, xla.cfg.emb_dim))
+    seg_BS = jnp.concatenate([jnp.ones((1, 60), jnp.int32), jnp.full((1, 68), 2, jnp.int32)], 1)
+    cos, sin = xla.cos_sin(jnp.concatenate([jnp.arange(60), jnp.arange(68)])[None])
+    want = np.asarray(xla(x_BSD, cos, sin, seg_BS))
+    got = np.asarray(splash(x_BSD, cos, sin, seg_BS))
+    jaxpr = str(jax.make_jaxpr(lambda x: splash(x, cos, sin, seg_BS))(x_BSD))
+    assert "pallas_call" in jaxpr and "pallas_call" not in str(
+        jax.make_jaxpr(lambda x: xla(x, cos, sin, seg_BS))(x_BSD)
+    )
+    # float32, the same products summed in other orders (splash's online softmax): ~1e-6.
+    assert np.abs(want).max() > 0.1
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)

@@ -28,7 +28,7 @@ from flax import nnx
 from moetext.models.deepseek_v3 import rope
 from moetext.models.deepseek_v3.config import MLA_DIMS, check_mla_dims
 from moetext.models.family import CacheArray, zeros_cache
-from moetext.models.layers.attention import attend
+from moetext.models.layers.attention import Kernel, attend
 from moetext.models.layers.norms import RMSNorm
 from moetext.models.layers.params import as_dtype, make_param, normal
 from moetext.models.layers.project import project
@@ -76,6 +76,8 @@ class MLAConfig:
     """Compute dtype."""
     param_dtype: str = "float32"
     """Parameter dtype."""
+    attention_kernel: Kernel = "xla"
+    """Self-attention's kernel (model.attention_kernel: auto = splash attention on TPU)."""
 
     def __post_init__(self) -> None:
         check_mla_dims("MLAConfig", self, ("emb_dim", "num_heads", *MLA_DIMS))
@@ -143,7 +145,14 @@ class MLA(nnx.Module):
         k_rope_BSNR = jnp.broadcast_to(k_rope_BSR[:, :, None, :], q_rope_BSNR.shape)
         q_BSNE = jnp.concatenate([q_nope_BSNP, q_rope_BSNR], axis=-1)
         k_BSNE = jnp.concatenate([k_nope_BSNP, k_rope_BSNR], axis=-1)
-        out_BSNV = attend(q_BSNE, k_BSNE, v_BSNV, segment_ids_BS, scale=self.scale)
+        out_BSNV = attend(
+            q_BSNE,
+            k_BSNE,
+            v_BSNV,
+            segment_ids_BS,
+            scale=self.scale,
+            kernel=self.cfg.attention_kernel,
+        )
         return project("bsnv,nvd->bsd", out_BSNV, self.w_o[...], O_NAMES, self.dtype)
 
     def _query(
