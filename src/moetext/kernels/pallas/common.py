@@ -73,7 +73,7 @@ def resolve_interpret(interpret: Interpret | None) -> Interpret:
     (`target.compiling_for`, an ahead-of-time compile); anything else as given."""
     if interpret is not None:
         return interpret
-    return target.target_chip() is None and jax.default_backend() != "tpu"
+    return not target.tpu_code()
 
 
 # --- the visit schedule ------------------------------------------------------------------------

@@ -13,6 +13,8 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 
+import jax
+
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "moetext_pallas_tpu_target", default=None
 )
@@ -31,3 +33,9 @@ def compiling_for(chip: str) -> Iterator[None]:
 def target_chip() -> str | None:
     """The chip of the enclosing `compiling_for`, else None."""
     return _TARGET.get()
+
+
+def tpu_code() -> bool:
+    """Whether code traced now runs on a TPU: jax's default backend is TPU, or an enclosing
+    `compiling_for` compiles it ahead of time for one."""
+    return target_chip() is not None or jax.default_backend() == "tpu"

@@ -41,7 +41,7 @@ def splash_wanted(kernel: Kernel) -> bool:
     if kernel not in ("auto", "xla", "splash"):
         raise ValueError(f"attention kernel must be one of auto, xla, splash; got {kernel!r}")
     if kernel == "auto":
-        return target.target_chip() is not None or jax.default_backend() == "tpu"
+        return target.tpu_code()
     return kernel == "splash"
 
 

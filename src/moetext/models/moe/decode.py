@@ -22,8 +22,6 @@ Both equal the training layer's dropless forward (tests/models/test_moe_decode.p
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -134,8 +132,7 @@ def sharded(
     halves of w_gate_up). T is padded to a multiple of the token shards with rows of expert 0
     (a prompt of any length, a batch of any size), whose outputs are dropped."""
     t = x_TD.shape[0]
-    shards = math.prod(layout.mesh.shape[a] for a in layout.token_axes)
-    pad = -t % shards
+    pad = -t % layout.token_shards
     if pad:
         x_TD = jnp.pad(x_TD, ((0, pad), (0, 0)))
         ids_TK = jnp.pad(ids_TK, ((0, pad), (0, 0)))

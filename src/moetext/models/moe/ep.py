@@ -80,6 +80,11 @@ class EPLayout:
     w_out_spec: PartitionSpec
     exchange: str  # "ragged" | "padded" | "none" (P = 1)
 
+    @property
+    def token_shards(self) -> int:
+        """How many shards split the tokens (the product of the token axes' sizes)."""
+        return _size(self.mesh, self.token_axes)
+
 
 def _size(mesh: Mesh, axes: tuple[str, ...]) -> int:
     return math.prod(mesh.shape[a] for a in axes)
@@ -170,7 +175,7 @@ def dropless(
     `gmm` the block's grouped matmul.
     """
     t, k = ids_TK.shape
-    shards = _size(layout.mesh, layout.token_axes)
+    shards = layout.token_shards
     if t % shards:
         raise ValueError(
             f"sharded MoE dispatch: {t} tokens (batch x length) do not split over the {shards} "
