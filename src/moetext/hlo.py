@@ -57,14 +57,11 @@ _CALL_RE = re.compile(
 # Computation lists: a conditional's branches, an async op's wrapped computations.
 _CALL_LIST_RE = re.compile(r"\b(branch_computations|called_computations)=\{([^}]*)\}")
 _TRIP_RE = re.compile(r'known_trip_count"?\s*[:=]\s*\{\s*"?n"?\s*[:=]\s*"?(\d+)')
-# Replica groups as XLA prints them: over named mesh axes, as an iota list, or explicit.
-_MESH_GROUPS_RE = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
-_IOTA_GROUPS_RE = re.compile(r"replica_groups=\[[0-9,]*?(\d+)\]<=")
-_LIST_GROUPS_RE = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
 _PARTITIONS_RE = re.compile(r"num_partitions=(\d+)")
-# The full forms of the two device-list spellings (group_members): [G,S]<=[dims]T(perm) and
-# {{a,b},{c,d}}; a permute's source_target_pairs.
-_IOTA_FULL_RE = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+# Replica groups as XLA prints them (group_members): over named mesh axes, as an iota list
+# [groups..., size]<=[dims]T(perm), or explicit {{a,b},{c,d}}; a permute's source_target_pairs.
+_MESH_GROUPS_RE = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_IOTA_FULL_RE = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
 _LIST_FULL_RE = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)+)\}")
 _PAIRS_RE = re.compile(r"source_target_pairs=\{((?:\{[0-9,]*\},?)*)\}")
 # Bytes each chip sends per result byte, by collective, for ring algorithms over a group of g
@@ -144,17 +141,7 @@ def _trip_count(while_line: str, body_of: dict[str | None, list[str]]) -> int:
 def group_size(line: str, partitions: int) -> int:
     """The size of a collective's replica groups, read from its HLO line (all `partitions`
     devices when it lists none)."""
-    m = _MESH_GROUPS_RE.search(line)
-    if m:
-        sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
-        return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", m.group(2)))
-    m = _IOTA_GROUPS_RE.search(line)
-    if m:
-        return int(m.group(1))
-    m = _LIST_GROUPS_RE.search(line)
-    if m:
-        return len([x for x in m.group(1).split(",") if x])
-    return partitions
+    return len(group_members(line, partitions)[0])
 
 
 def group_members(line: str, partitions: int) -> list[list[int]]:
@@ -163,12 +150,12 @@ def group_members(line: str, partitions: int) -> list[list[int]]:
     `partitions` devices when it lists none."""
     m = _IOTA_FULL_RE.search(line)
     if m:
-        groups, size = int(m.group(1)), int(m.group(2))
-        dims = [int(d) for d in m.group(3).split(",")]
+        size = int(m.group(1).split(",")[-1])  # [groups..., size]: the last dim is one group
+        dims = [int(d) for d in m.group(2).split(",")]
         ids = np.arange(math.prod(dims)).reshape(dims)
-        if m.group(4):
-            ids = ids.transpose([int(d) for d in m.group(4).split(",")])
-        return [[int(x) for x in row] for row in ids.reshape(groups, size)]
+        if m.group(3):
+            ids = ids.transpose([int(d) for d in m.group(3).split(",")])
+        return [[int(x) for x in row] for row in ids.reshape(-1, size)]
     m = _LIST_FULL_RE.search(line) or _PAIRS_RE.search(line)
     if m:
         return [
