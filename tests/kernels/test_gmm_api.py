@@ -71,6 +71,15 @@ GS = jnp.asarray([4, 6], jnp.int32)
             r"existing_out must be \(10, 3\), got \(10, 4\)",
         ),
         (
+            lambda: gmm(X_MK, W_GKN, GS, group_offset=0, rows_covered=True),
+            r"rows_covered=True needs every group local and no existing_out; got 2 local of 2 "
+            r"groups, group_offset=given",
+        ),
+        (
+            lambda: gmm(X_MK, W_GKN, GS, existing_out=jnp.ones((10, 3)), rows_covered=True),
+            r"rows_covered=True needs .*existing_out=given",
+        ),
+        (
             lambda: tgmm(X_MK, jnp.ones((9, 3)), GS),
             r"lhs \(10, 4\) and rhs \(9, 3\) must have the same rows M",
         ),

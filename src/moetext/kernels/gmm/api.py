@@ -94,6 +94,7 @@ class Gmm:
         group_offset: ArrayLike | None = None,
         existing_out: jax.Array | None = None,
         rhs_gather: Gather | None = None,
+        rows_covered: bool = False,
     ) -> jax.Array:
         """out[rows of g] = lhs[rows of g] @ rhs[g - group_offset] for the local groups g.
 
@@ -106,6 +107,11 @@ class Gmm:
         the given (dim, mesh axes) pairs (kernels/gmm/gather.py). The recipe all-gathers it
         (cast to lhs.dtype, or quantized: fp8 QAG) and reduce-scatters its gradient, returned
         in rhs's dtype. Shapes above are the gathered ones.
+
+        rows_covered: the caller guarantees sum(group_sizes) == M with every group local (no
+        group_offset, G_local == len(group_sizes)), e.g. a dropless dispatch that sorted all
+        its M assignments; backends may then skip zeroing rows outside the groups (pallas_tpu
+        writes no zeros buffer). Rows are undefined if the guarantee does not hold.
         """
         lhs, rhs, sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
         m, k = _check_2d("gmm", "lhs", lhs)
@@ -125,9 +131,18 @@ class Gmm:
         sizes, offset = _check_groups("gmm", sizes, g_local, group_offset)
         if existing_out is not None and existing_out.shape != (m, n):
             raise ValueError(f"gmm: existing_out must be {(m, n)}, got {existing_out.shape}")
+        if rows_covered and (
+            existing_out is not None or group_offset is not None or g_local != sizes.shape[0]
+        ):
+            raise ValueError(
+                f"gmm: rows_covered=True needs every group local and no existing_out; got "
+                f"{g_local} local of {sizes.shape[0]} groups, group_offset="
+                f"{'given' if group_offset is not None else None}, existing_out="
+                f"{'given' if existing_out is not None else None}"
+            )
         call = self._call(
             lhs, sizes, m, offset, preferred_element_type, transpose_rhs=transpose_rhs
-        )
+        ).replace(rows_covered=bool(rows_covered))
         if gather:
             swapped = None if transpose_rhs else minor_swapped(rhs.shape, gather)
             if swapped is not None:
@@ -217,6 +232,7 @@ def gmm(
     checked: bool = False,
     rhs_gather: Gather | None = None,
     grad_reduce_dtype: DTypeLike | None = None,
+    rows_covered: bool = False,
 ) -> jax.Array:
     """One unquantized grouped matmul: `Gmm(get_backend(backend), tiling=tiling,
     checked=checked, grad_reduce_dtype=grad_reduce_dtype)(lhs, rhs, group_sizes, ...)`; the
@@ -232,6 +248,7 @@ def gmm(
         group_offset=group_offset,
         existing_out=existing_out,
         rhs_gather=rhs_gather,
+        rows_covered=rows_covered,
     )
 
 

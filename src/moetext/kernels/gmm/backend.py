@@ -35,6 +35,10 @@ class GmmCall:
       backend's default.
     transpose_rhs: gmm reads rhs as [G_local, N, K]; tgmm ignores it.
     num_groups: tgmm's G_local (the groups of its output); gmm reads G_local off rhs.
+    rows_covered: gmm only: the caller guarantees every lhs row belongs to a local group (all
+      groups local, sum(group_sizes) == M), so a backend need not initialise rows outside them
+      (pallas_tpu then writes no zeros buffer ahead of the kernel). The backward's dlhs gmm
+      covers the same rows.
 
     A pytree: group_offset is its one leaf, the rest is static, so a call passes through jit
     and custom_vjp as an ordinary argument and `replace` derives the backward's calls.
@@ -45,6 +49,7 @@ class GmmCall:
     tiling: TilingArg = dataclasses.field(default=None, metadata={"static": True})
     transpose_rhs: bool = dataclasses.field(default=False, metadata={"static": True})
     num_groups: int | None = dataclasses.field(default=None, metadata={"static": True})
+    rows_covered: bool = dataclasses.field(default=False, metadata={"static": True})
 
     def replace(self, **changes: Any) -> GmmCall:
         """This call with some fields changed."""

@@ -58,6 +58,7 @@ class PallasTpuBackend(GmmBackend):
             group_sizes,
             transpose_rhs=call.transpose_rhs,
             existing_out=existing_out,
+            rows_covered=call.rows_covered and existing_out is None,
             **self.kernel_options(call),
         )
 

@@ -197,8 +197,14 @@ def tgmm_backward(
 
 
 def gmm_call(call: GmmCall, out_dtype: DTypeLike, *, transpose_rhs: bool) -> GmmCall:
-    """A gmm with `call`'s group offset and tiling (a backward's dlhs)."""
-    return GmmCall(jnp.dtype(out_dtype), call.group_offset, call.tiling, transpose_rhs)
+    """A gmm with `call`'s group offset, tiling and row coverage (a backward's dlhs)."""
+    return GmmCall(
+        jnp.dtype(out_dtype),
+        call.group_offset,
+        call.tiling,
+        transpose_rhs,
+        rows_covered=call.rows_covered,
+    )
 
 
 def dlhs_call(call: GmmCall, out_dtype: DTypeLike) -> GmmCall:

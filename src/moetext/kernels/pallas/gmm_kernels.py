@@ -7,7 +7,9 @@ gmm grid (N tiles, T, K tiles): step (j, t, k) multiplies row tile tile_ids[t] b
 group group_ids[t], accumulating K in an f32 VMEM scratch; on the last K step it stores only
 the rows of that group. Visits to one row tile are consecutive, so its output block stays in
 VMEM between them (read-modify-write) and is written back to HBM once. The output aliases an
-initial buffer (zeros, or existing_out) so row tiles no local group touches keep it.
+initial buffer (zeros, or existing_out) so row tiles no local group touches keep it, unless the
+caller says every row belongs to a local group (`rows_covered`): then every row tile is visited,
+and the kernel has no initial buffer at all (no zeros written to HBM before it runs).
 
 tgmm grid (K tiles, N tiles, T): step (i, j, t) accumulates lhs_tile.T @ rhs_tile over the row
 tiles of one group, masking rows of other groups, and stores the [tk, tn] block when the group
@@ -66,13 +68,17 @@ def gmm(
     group_offset: ArrayLike = 0,
     tiling: TilingArg = None,
     existing_out: jax.Array | None = None,
+    rows_covered: bool = False,
     interpret: Interpret | None = None,
     chip: str | None = None,
 ) -> jax.Array:
     """[M, N]: rows of local group g = lhs rows @ rhs[g - group_offset]; lhs [M, K], rhs
     [L, K, N] ([L, N, K] when transpose_rhs). Rows outside the local groups are zero, or keep
-    `existing_out` [M, N] (an aliased, in-place initial buffer). interpret and chip as in
-    `PallasTpuBackend` (None: interpret off TPU; the local chip, else tiling.FALLBACK_CHIP)."""
+    `existing_out` [M, N] (an aliased, in-place initial buffer). rows_covered: the caller
+    guarantees every row belongs to a local group (sum of the local group sizes == M), so no
+    initial buffer is needed (rows outside the groups would otherwise be undefined). interpret
+    and chip as in `PallasTpuBackend` (None: interpret off TPU; the local chip, else
+    tiling.FALLBACK_CHIP)."""
     (m, k), num_local = lhs_MK.shape, rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     chip, interpret = tiling_lib.resolve_chip(chip), resolve_interpret(interpret)
@@ -86,8 +92,17 @@ def gmm(
     )
     t_max = max_visits(m, tm, num_local)
     lhs_spec, rhs_spec, out_spec = gmm_block_specs(tm, tk, tn, transpose_rhs=transpose_rhs)
+    if rows_covered and existing_MN is not None:
+        raise ValueError(
+            "gmm: rows_covered=True and existing_out: a covered output keeps no row of "
+            "existing_out; pass one or the other"
+        )
     has_init = existing_MN is not None
-    init_MN, init_spec, out_mn = gmm_aliased_out(existing_MN, m, n, tiles, out_dtype, interpret)
+    # The initial buffer only where some row tile may go unvisited (see the module docstring).
+    operands, specs, aliases, out_mn = [lhs_MK, rhs], [lhs_spec, rhs_spec], {}, (m, n)
+    if not rows_covered:
+        init_MN, init_spec, out_mn = gmm_aliased_out(existing_MN, m, n, tiles, out_dtype, interpret)
+        operands, specs, aliases = operands + [init_MN], specs + [init_spec], {NUM_META + 2: 0}
     cost = pl.CostEstimate(
         flops=2 * m * k * n,
         transcendentals=0,
@@ -102,26 +117,42 @@ def gmm(
         (tm, tn),
     )
     kernel = functools.partial(
-        _gmm_kernel, k=k, tm=tm, tk=tk, transpose_rhs=transpose_rhs, has_init=has_init
+        _gmm_kernel,
+        k=k,
+        tm=tm,
+        tk=tk,
+        transpose_rhs=transpose_rhs,
+        has_init=has_init,
+        init_operand=not rows_covered,
     )
     out_MN: jax.Array = pl.pallas_call(
         kernel,
         out_shape=ShapeDtypeStruct(out_mn, out_dtype),
-        grid_spec=grouped_grid_spec(
-            (cdiv(n, tn), t_max, cdiv(k, tk)), [lhs_spec, rhs_spec, init_spec], out_spec, (tm, tn)
-        ),
-        input_output_aliases={NUM_META + 2: 0},
+        grid_spec=grouped_grid_spec((cdiv(n, tn), t_max, cdiv(k, tk)), specs, out_spec, (tm, tn)),
+        input_output_aliases=aliases,
         compiler_params=tiling_lib.compiler_params("gmm", GMM_DIMENSIONS, tiles, needed, chip),
         interpret=interpret,
         cost_estimate=cost,
         name="moetext_gmm",
-    )(*meta, lhs_MK, rhs, init_MN)
+    )(*meta, *operands)
     return out_MN[:m, :n]
 
 
-def _gmm_kernel(*refs: Ref, k: int, tm: int, tk: int, transpose_rhs: bool, has_init: bool) -> None:
+def _gmm_kernel(
+    *refs: Ref,
+    k: int,
+    tm: int,
+    tk: int,
+    transpose_rhs: bool,
+    has_init: bool,
+    init_operand: bool,
+) -> None:
     """acc[tm, tn] += lhs[tm, tk] @ rhs[tk, tn] (rhs[tn, tk].T with transpose_rhs) over K."""
-    meta, (lhs_ref, rhs_ref, init_ref, out_ref, acc_ref) = split_refs(refs)
+    meta, arrays = split_refs(refs)
+    if init_operand:
+        lhs_ref, rhs_ref, init_ref, out_ref, acc_ref = arrays
+    else:
+        (lhs_ref, rhs_ref, out_ref, acc_ref), init_ref = arrays, None
     ki, last_k = pl.program_id(2), pl.num_programs(2) - 1
     contract = (1,) if transpose_rhs else (0,)
 
@@ -142,7 +173,10 @@ def _gmm_kernel(*refs: Ref, k: int, tm: int, tk: int, transpose_rhs: bool, has_i
             accumulate(False)
 
     def base() -> jax.Array:  # what rows outside the visited group hold before any visit
-        return init_ref[...] if has_init else jnp.zeros(out_ref.shape, out_ref.dtype)
+        if has_init and init_ref is not None:
+            init: jax.Array = init_ref[...]
+            return init
+        return jnp.zeros(out_ref.shape, out_ref.dtype)
 
     gmm_step(meta, out_ref, acc_ref, tm=tm, accumulate=step, base=base)
 

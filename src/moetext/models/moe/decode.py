@@ -104,10 +104,18 @@ def grouped(
     """y_TKD through grouped matmuls: [gate | up] in one, then down."""
     e = w_gate_up.shape[0]
     xs_MD, group_sizes_E, order_M = dsp.permute(x_TD.astype(dtype), ids_TK, e)
-    gu_MF2 = gmm(xs_MD, w_gate_up.astype(dtype), group_sizes_E, preferred_element_type=dtype)
+    gu_MF2 = gmm(
+        xs_MD,
+        w_gate_up.astype(dtype),
+        group_sizes_E,
+        preferred_element_type=dtype,
+        rows_covered=True,
+    )
     f = gu_MF2.shape[-1] // 2
     h_MF = jax.nn.silu(gu_MF2[:, :f]) * gu_MF2[:, f:]
-    ys_MD = gmm(h_MF, w_down.astype(dtype), group_sizes_E, preferred_element_type=dtype)
+    ys_MD = gmm(
+        h_MF, w_down.astype(dtype), group_sizes_E, preferred_element_type=dtype, rows_covered=True
+    )
     return dsp.unpermute(ys_MD, order_M, ids_TK.shape[1])
 
 

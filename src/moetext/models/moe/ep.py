@@ -274,6 +274,8 @@ def _swiglu(
                 preferred_element_type=dtype,
                 group_offset=group_offset,
                 rhs_gather=weight_gather(spec),
+                # P = 1 (no offset): all M sorted rows belong to the local experts.
+                rows_covered=group_offset is None,
             )
 
         return run

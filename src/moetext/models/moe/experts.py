@@ -45,11 +45,12 @@ class Experts(nnx.Module):
         self.w_down = make_param(rngs, init, (e, f, d), ("exp", "mlp_moe", "embed"), param_dtype)
 
     def grouped(self, xs_MD: jax.Array, group_sizes_E: jax.Array, gmm: Gmm) -> jax.Array:
-        """Rows sorted by expert (group_sizes_E of them per expert) through their expert's MLP."""
+        """Rows sorted by expert (group_sizes_E of them per expert, summing to M: every row is some
+        expert's) through their expert's MLP."""
         dt = self.dtype
 
         def mm(lhs: jax.Array, w: jax.Array) -> jax.Array:
-            return gmm(lhs, w, group_sizes_E, preferred_element_type=dt)
+            return gmm(lhs, w, group_sizes_E, preferred_element_type=dt, rows_covered=True)
 
         w_gate, w_up = (w.astype(dt) for w in self.gate_up())
         w_down = self.w_down[...].astype(dt)
