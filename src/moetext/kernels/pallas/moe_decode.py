@@ -1,0 +1,265 @@
+"""A fused MoE layer for decoding (Pallas Mosaic TPU): every active expert's weights read once.
+
+Legend: T decode rows (1..~256), K experts per token, E experts, D emb_dim, F
+moe_intermediate_size, S = min(E, T*K) expert slots, J = F / tf blocks of F per slot.
+
+    y_TD = sum_k w_TK[t, k] * down_e(silu(x_t @ gate_e) * (x_t @ up_e)),  e = ids_TK[t, k]
+
+with prefused w_gate_up [E, D, 2F] ([gate | up] on the last axis) and w_down [E, F, D]. A decode
+step is memory-bound: the bytes are the active experts' weights, the FLOPs are negligible. So
+outside the kernel the sorted distinct experts of ids_TK go into S slots (a slot past the active
+count repeats the last active expert) and, with that count, reach the kernel as scalar prefetch.
+The grid (S, J) visits slot s, block j: its index maps pick expert slots[s]'s gate block
+(columns j), up block (columns J + j) and down block (rows j), so each active expert's weights
+stream through VMEM once, double-buffered, and no [T, K, D, 2F] gather copy exists. A slot past
+the active count maps to the block the last active step read: Pallas skips the DMA of an
+unchanged block, and the body is skipped too. Per step, over ALL T rows (T is small; the FLOPs
+of rows not routed to the expert are cheaper than gathering them):
+
+    h_TF = silu(x_TD @ gate_Dtf) * (x_TD @ up_Dtf);  c_T = sum_k (ids_TK == e) * w_TK
+    acc_TD += (c_T * h_TF) @ down_tfD            (f32 VMEM scratch; y written at the last step)
+
+Routing (softmax / sigmoid, scaling factors) and shared experts stay outside: the kernel takes
+the combine weights as given. `fused_moe_reference` is the same computation in jnp.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.typing import DTypeLike
+
+from moetext.kernels.pallas import tiling as tiling_lib
+from moetext.kernels.pallas.common import Dimensions, Interpret, Ref, resolve_interpret, round_up
+from moetext.kernels.typed_jax import ShapeDtypeStruct
+
+# Both grid axes accumulate into the one resident output block.
+DIMENSIONS: Dimensions = ("arbitrary", "arbitrary")
+# Double-buffered gate, up and down blocks stay under this many bytes when tf is picked:
+# below v5e's 16 MiB default scoped VMEM with room for x, y and the accumulator.
+WEIGHT_VMEM_BUDGET = 12 * tiling_lib.MiB
+
+
+def default_block_f(d: int, f: int, itemsize: int, budget: int = WEIGHT_VMEM_BUDGET) -> int:
+    """The largest tf dividing F, a multiple of 128 (or F itself), whose double-buffered gate,
+    up and down blocks (3 x 2 x D x tf) fit `budget`; the smallest such tile if none fits."""
+    fits = [t for t in range(f, 0, -1) if f % t == 0 and (t % tiling_lib.LANES == 0 or t == f)]
+    for t in fits:
+        if 6 * d * t * itemsize <= budget:
+            return t
+    return fits[-1]
+
+
+def active_slots(ids_TK: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """(slots_S int32, n_active int32 [1]): the distinct experts of ids_TK in ascending order,
+    padded to S = min(E, T*K) with the last of them (ids outside [0, E) are ignored)."""
+    s = min(num_experts, ids_TK.size)
+    ids = ids_TK.reshape(-1)
+    valid = (ids >= 0) & (ids < num_experts)
+    used_E = jnp.zeros((num_experts,), jnp.bool_).at[jnp.where(valid, ids, num_experts)].set(
+        True, mode="drop"
+    )
+    n = jnp.sum(used_E.astype(jnp.int32))
+    (found_S,) = jnp.nonzero(used_E, size=s, fill_value=0)
+    last = found_S[jnp.maximum(n - 1, 0)]
+    slots_S = jnp.where(jnp.arange(s) < n, found_S, last).astype(jnp.int32)
+    return slots_S, n.reshape(1).astype(jnp.int32)
+
+
+def fused_moe(
+    x_TD: jax.Array,
+    ids_TK: jax.Array,
+    w_TK: jax.Array,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    block_f: int | None = None,
+    interpret: Interpret | None = None,
+    chip: str | None = None,
+) -> jax.Array:
+    """y_TD (x's dtype) = sum_k w_TK * SwiGLU expert ids_TK of x_TD; see the module docstring.
+
+    x_TD is the compute dtype: weight blocks are cast to it in VMEM (f32 params are read as
+    f32, never copied). ids_TK int32 in [0, E); an id outside selects nothing (its weight is
+    dropped). block_f: tf (None: `default_block_f`). interpret / chip as the gmm kernels'."""
+    t, d, e, f = _check(x_TD, ids_TK, w_TK, w_gate_up, w_down)
+    k = ids_TK.shape[1]
+    w_item = max(jnp.dtype(w_gate_up.dtype).itemsize, jnp.dtype(w_down.dtype).itemsize)
+    tf = default_block_f(d, f, w_item) if block_f is None else int(block_f)
+    if tf <= 0 or f % tf or (tf % tiling_lib.LANES and tf != f):
+        raise ValueError(
+            f"fused_moe: block_f={block_f} must divide moe_intermediate_size F={f} and be a "
+            f"multiple of {tiling_lib.LANES} (or F itself)"
+        )
+    chip, interpret = tiling_lib.resolve_chip(chip), resolve_interpret(interpret)
+    slots_S, n_S = active_slots(ids_TK, e)
+    s, nf = slots_S.shape[0], f // tf
+    # Rows padded to the sublane tile of x's dtype; padded rows route nowhere (id -1).
+    tp = round_up(t, tiling_lib.sublanes(x_TD.dtype))
+    x_pD = jnp.pad(x_TD, ((0, tp - t), (0, 0)))
+    ids_pK = jnp.pad(ids_TK.astype(jnp.int32), ((0, tp - t), (0, 0)), constant_values=-1)
+    w_pK = jnp.pad(w_TK.astype(jnp.float32), ((0, tp - t), (0, 0)))
+
+    def block(j: jax.Array, s_: jax.Array, n_ref: Ref) -> jax.Array:
+        # A slot past the active count stays on the last active step's block: no new DMA.
+        return jnp.where(s_ < n_ref[0], j, nf - 1)
+
+    def gate_map(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
+        return slots[s_], jnp.int32(0), block(j, s_, n_ref)
+
+    def up_map(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
+        return slots[s_], jnp.int32(0), nf + block(j, s_, n_ref)
+
+    def down_map(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
+        return slots[s_], block(j, s_, n_ref), jnp.int32(0)
+
+    def whole(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
+        return jnp.int32(0), jnp.int32(0)
+
+    in_specs = [
+        pl.BlockSpec((tp, d), whole),
+        pl.BlockSpec((tp, k), whole),
+        pl.BlockSpec((tp, k), whole),
+        pl.BlockSpec((pl.squeezed, d, tf), gate_map),
+        pl.BlockSpec((pl.squeezed, d, tf), up_map),
+        pl.BlockSpec((pl.squeezed, tf, d), down_map),
+    ]
+    x_item, y_item = jnp.dtype(x_TD.dtype).itemsize, jnp.dtype(x_TD.dtype).itemsize
+    # Real work: every slot's blocks multiply all padded rows (at most min(E, T*K) experts).
+    flops = 2 * tp * d * 2 * f * s + 2 * tp * f * d * s
+    cost = pl.CostEstimate(
+        flops=flops,
+        transcendentals=tp * f * s,  # silu's exp
+        bytes_accessed=s * 3 * d * f * w_item + tp * d * (x_item + y_item) + 2 * tp * k * 4,
+    )
+    needed = tiling_lib.vmem_bytes(
+        [(tp, d, x_TD.dtype), (d, tf, w_gate_up.dtype), (d, tf, w_gate_up.dtype)]
+        + [(tf, d, w_down.dtype), (tp, k, jnp.int32), (tp, k, jnp.float32)],
+        (tp, d, x_TD.dtype),
+        (tp, d),
+    )
+    y_pD: jax.Array = pl.pallas_call(
+        functools.partial(_kernel, num_slots=s, num_f=nf),
+        out_shape=ShapeDtypeStruct((tp, d), x_TD.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(s, nf),
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((tp, d), whole),
+            scratch_shapes=[pltpu.VMEM((tp, d), jnp.float32)],
+        ),
+        compiler_params=tiling_lib.compiler_params(
+            "fused_moe", DIMENSIONS, (tp, d, tf), needed, chip
+        ),
+        interpret=interpret,
+        cost_estimate=cost,
+        name="moetext_fused_moe",
+    )(slots_S, n_S, x_pD, ids_pK, w_pK, w_gate_up, w_gate_up, w_down)
+    return y_pD[:t]
+
+
+def _kernel(
+    slots_ref: Ref,
+    n_ref: Ref,
+    x_ref: Ref,
+    ids_ref: Ref,
+    w_ref: Ref,
+    gate_ref: Ref,
+    up_ref: Ref,
+    down_ref: Ref,
+    y_ref: Ref,
+    acc_ref: Ref,
+    *,
+    num_slots: int,
+    num_f: int,
+) -> None:
+    si, j = pl.program_id(0), pl.program_id(1)
+
+    @pl.when((si == 0) & (j == 0))
+    def _() -> None:
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(si < n_ref[0])
+    def _() -> None:
+        x = x_ref[...]
+        e = slots_ref[si]
+        c_T1 = jnp.sum(
+            jnp.where(ids_ref[...] == e, w_ref[...], jnp.zeros((), jnp.float32)),
+            axis=1,
+            keepdims=True,
+        )
+        dims = (((1,), (0,)), ((), ()))
+        g = jax.lax.dot_general(
+            x, gate_ref[...].astype(x.dtype), dims, preferred_element_type=jnp.float32
+        )
+        u = jax.lax.dot_general(
+            x, up_ref[...].astype(x.dtype), dims, preferred_element_type=jnp.float32
+        )
+        h = (c_T1 * (jax.nn.silu(g) * u)).astype(x.dtype)
+        acc_ref[...] += jax.lax.dot_general(
+            h, down_ref[...].astype(x.dtype), dims, preferred_element_type=jnp.float32
+        )
+
+    @pl.when((si == num_slots - 1) & (j == num_f - 1))
+    def _() -> None:
+        y_ref[...] = acc_ref[...].astype(y_ref.dtype)
+
+
+def _check(
+    x_TD: jax.Array,
+    ids_TK: jax.Array,
+    w_TK: jax.Array,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+) -> tuple[int, int, int, int]:
+    """(T, D, E, F) of consistent operands, else a ValueError naming the mismatch."""
+    shapes = (
+        f"x_TD {tuple(x_TD.shape)}, ids_TK {tuple(ids_TK.shape)}, w_TK {tuple(w_TK.shape)}, "
+        f"w_gate_up {tuple(w_gate_up.shape)}, w_down {tuple(w_down.shape)}"
+    )
+    if x_TD.ndim != 2 or ids_TK.ndim != 2 or w_gate_up.ndim != 3 or w_down.ndim != 3:
+        raise ValueError(
+            f"fused_moe: expected x_TD [T, D], ids_TK [T, K], w_gate_up [E, D, 2F], "
+            f"w_down [E, F, D]; got {shapes}"
+        )
+    (t, d), (e, d2, f2) = x_TD.shape, w_gate_up.shape
+    f = f2 // 2
+    problems = []
+    if ids_TK.shape[0] != t or w_TK.shape != ids_TK.shape:
+        problems.append(f"ids_TK and w_TK must both be [T={t}, K]")
+    if d2 != d or f2 % 2:
+        problems.append(f"w_gate_up must be [E, D={d}, 2F] with an even last dim")
+    if w_down.shape != (e, f, d):
+        problems.append(f"w_down must be [E={e}, F={f}, D={d}]")
+    if not jnp.issubdtype(ids_TK.dtype, jnp.integer):
+        problems.append(f"ids_TK must be integer, got {ids_TK.dtype}")
+    if problems:
+        raise ValueError(f"fused_moe: {'; '.join(problems)}; got {shapes}")
+    return t, d, e, f
+
+
+def fused_moe_reference(
+    x_TD: jax.Array,
+    ids_TK: jax.Array,
+    w_TK: jax.Array,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    dtype: DTypeLike | None = None,
+) -> jax.Array:
+    """The kernel's computation in jnp (every expert, dense; tests and non-TPU fallbacks)."""
+    _check(x_TD, ids_TK, w_TK, w_gate_up, w_down)
+    dt = jnp.dtype(dtype or x_TD.dtype)
+    e, f = w_gate_up.shape[0], w_gate_up.shape[2] // 2
+    x = x_TD.astype(dt)
+    gu_TEF2 = jnp.einsum("td,edf->tef", x, w_gate_up.astype(dt), preferred_element_type=jnp.float32)
+    h_TEF = jax.nn.silu(gu_TEF2[..., :f]) * gu_TEF2[..., f:]
+    c_TE = jnp.sum(
+        jax.nn.one_hot(ids_TK, e, dtype=jnp.float32) * w_TK.astype(jnp.float32)[..., None], axis=1
+    )
+    h_TEF = (c_TE[..., None] * h_TEF).astype(dt)
+    y = jnp.einsum("tef,efd->td", h_TEF, w_down.astype(dt), preferred_element_type=jnp.float32)
+    return y.astype(dt)
