@@ -381,7 +381,7 @@ def compile_decode_step(
 
     def prefused() -> nnx.Module:
         model = models.build(cfg.model, cfg.moe, cfg.kernels, rngs=nnx.Rngs(params=0))
-        prefuse_all(model)
+        prefuse_all(model, cfg.kernels.decode_moe)
         return model
 
     abstract = nnx.eval_shape(prefused)

@@ -78,10 +78,11 @@ def fused_moe(
     w_down: jax.Array,
     *,
     block_f: int | None = None,
+    out_dtype: DTypeLike | None = None,
     interpret: Interpret | None = None,
     chip: str | None = None,
 ) -> jax.Array:
-    """y_TD (x's dtype) = sum_k w_TK * SwiGLU expert ids_TK of x_TD; see the module docstring.
+    """y_TD (out_dtype, default x's dtype; accumulated in f32) = sum_k w_TK * SwiGLU expert ids_TK of x_TD; see the module docstring.
 
     x_TD is the compute dtype: weight blocks are cast to it in VMEM (f32 params are read as
     f32, never copied). ids_TK int32 in [0, E); an id outside selects nothing (its weight is
@@ -128,7 +129,8 @@ def fused_moe(
         pl.BlockSpec((pl.squeezed, d, tf), up_map),
         pl.BlockSpec((pl.squeezed, tf, d), down_map),
     ]
-    x_item, y_item = jnp.dtype(x_TD.dtype).itemsize, jnp.dtype(x_TD.dtype).itemsize
+    y_dtype = jnp.dtype(out_dtype or x_TD.dtype)
+    x_item, y_item = jnp.dtype(x_TD.dtype).itemsize, y_dtype.itemsize
     # Real work: every slot's blocks multiply all padded rows (at most min(E, T*K) experts).
     flops = 2 * tp * d * 2 * f * s + 2 * tp * f * d * s
     cost = pl.CostEstimate(
@@ -139,12 +141,12 @@ def fused_moe(
     needed = tiling_lib.vmem_bytes(
         [(tp, d, x_TD.dtype), (d, tf, w_gate_up.dtype), (d, tf, w_gate_up.dtype)]
         + [(tf, d, w_down.dtype), (tp, k, jnp.int32), (tp, k, jnp.float32)],
-        (tp, d, x_TD.dtype),
+        (tp, d, y_dtype),
         (tp, d),
     )
     y_pD: jax.Array = pl.pallas_call(
         functools.partial(_kernel, num_slots=s, num_f=nf),
-        out_shape=ShapeDtypeStruct((tp, d), x_TD.dtype),
+        out_shape=ShapeDtypeStruct((tp, d), y_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(s, nf),
