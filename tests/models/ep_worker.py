@@ -220,6 +220,33 @@ def check_decode(block: Block) -> dict[str, Any]:
     return out
 
 
+def check_fused_decode(block: Block) -> dict[str, Any]:
+    """The fused decode kernel (kernels.decode_moe=fused, interpreted) under ep4 / ep8 rules
+    (a shard_map over the expert shards, partial outputs summed) on all 32 tokens and on 3,
+    against the unsharded forward; and the error under fsdp4, which splits embed."""
+    prefused = nnx.merge(block.graphdef, block.params)
+    moe_decode.prefuse(prefused.experts, "fused")
+    gd, params = nnx.split(prefused)
+    out: dict[str, Any] = {}
+    for name, shape in (("ep4", (2, 1, 4, 1)), ("ep8", (1, 1, 8, 1))):
+        for tokens, x in (("T32", block.x), ("T3", block.x[:3, :1])):
+            want = np.asarray(nnx.merge(block.graphdef, block.params)(x)[0], np.float64)
+            with logical.use_rules(mesh_of(shape), RULES):
+                lowered = jax.jit(lambda p, x: nnx.merge(gd, p).decode(x)).lower(params, x)
+                got = np.asarray(lowered.compile()(params, x), np.float64)
+            out[f"{name}_{tokens}"] = {
+                "rel": float(np.max(np.abs(got - want)) / np.max(np.abs(want))),
+                "manual": uses_shard_map(lowered.as_text()),
+            }
+    try:
+        with logical.use_rules(mesh_of((1, 4, 1, 1)), load_preset("fsdp").rules):
+            jax.jit(lambda p, x: nnx.merge(gd, p).decode(x)).lower(params, block.x)
+        out["fsdp4_error"] = ""
+    except ValueError as e:
+        out["fsdp4_error"] = str(e)
+    return out
+
+
 @contextmanager
 def emulated_ragged_exchange(calls: list[str]) -> Iterator[None]:
     """ep's TPU exchange ("ragged") on CPU, with ragged_all_to_all (no XLA:CPU lowering)
@@ -346,6 +373,7 @@ def main() -> None:
         res["block"]["one_device_layout"] = repr(ep.layout_from_context(CFG.num_experts))
     res["block"]["ep4_ragged"] = check_ragged_exchange(block, ref)
     res["decode"] = check_decode(block)
+    res["fused_decode"] = check_fused_decode(block)
     res["indivisible"] = indivisible_error(block)
     res["train"] = check_train()
     print("RESULT " + json.dumps(res), flush=True)
