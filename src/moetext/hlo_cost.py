@@ -7,7 +7,7 @@ hlo.call_multipliers, as the collectives count does): FLOPs of every dot and con
 Pallas call's own `pl.CostEstimate` (kernels without one, MaxText's and jax's splash attention:
 their useful FLOPs from their shapes, `_kernel_flops`); HBM bytes as XLA's cost analysis
 defines them (each top-level instruction reads its operands and writes its result; a fusion's
-internals stay on chip). `moetext.step_cost` turns them into a roofline.
+internals stay on chip; a Pallas call at most its `pl.CostEstimate`'s bytes_accessed). `moetext.step_cost` turns them into a roofline.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ _CONTRACT_RE = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _DIM_LABELS_RE = re.compile(r"dim_labels=([\w]+)_([\w]+)->([\w]+)")
 _FEATURE_GROUPS_RE = re.compile(r"feature_group_count=(\d+)")
 _CE_FLOPS_RE = re.compile(r'cost_estimate\\?"\s*:\s*\{\\?"flops\\?"\s*:\s*\\?"?(\d+)')
+_CE_BYTES_RE = re.compile(r'cost_estimate\\?"\s*:\s*\{[^}]*?bytes_accessed\\?"\s*:\s*\\?"?(\d+)')
 # Instructions that move no HBM bytes of their own (XLA's cost analysis gives them none, or
 # their bytes are counted in the computations they call).
 _NO_BYTES = frozenset(
@@ -379,6 +380,10 @@ def _module_cost(hlo_text: str) -> HloCost:
             moved = hlo.array_bytes(ins.shape)[0] + sum(
                 hlo.array_bytes(_shape_of(shapes, o))[0] for o in ins.operands
             )
+            if ins.op == "custom-call" and (ce := _CE_BYTES_RE.search(ins.line)):
+                # A Pallas call whose estimate reads less than its whole operands (the fused
+                # MoE decode kernel: the active experts' blocks of [E, ...] weights).
+                moved = min(moved, float(ce.group(1)))
         hbm += k * moved
         movers[f"{ins.op} {ins.name} {re.sub(r'[{].*', '', ins.shape)} x{k}"] += k * moved
     top = tuple(sorted(movers.items(), key=lambda kv: -kv[1])[:10])

@@ -18,6 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import SingleDeviceSharding
 
 from moetext.aot import TOPOLOGY_BY_CHIP, tpu_devices
+from moetext.hlo_cost import hlo_cost
 from moetext.kernels.pallas import moe_decode as md
 from moetext.kernels.pallas import target
 
@@ -164,3 +165,7 @@ def test_compiles_with_mosaic_for_tpu(chip, rows):
     # The Mosaic kernel itself, not an interpreted loop, is in the TPU executable.
     assert "tpu_custom_call" in text and "moetext_fused_moe" in text
     assert compiled.out_info.shape == (rows, d)
+    # The step-cost walk counts the kernel's estimate (at most S = min(E, T*K) experts' weights
+    # plus x, y and the routing), not its whole [E, ...] weight operands.
+    slabs = min(e, rows * k) * 3 * d * f * 2
+    assert slabs <= hlo_cost(text).hbm_bytes <= slabs + 4 * (rows + 16) * d * 2 + 2e5
