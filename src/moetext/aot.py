@@ -356,11 +356,13 @@ def _micro_batches(r: dict[str, Any]) -> str:
 
 
 def compile_decode_step(
-    cfg: Config, topology: str, *, batch: int, cache_len: int
+    cfg: Config, topology: str, *, batch: int, cache_len: int, cost: bool = False
 ) -> dict[str, Any]:
     """Compiles one decode step (one new token per row against a KV cache of cache_len slots)
-    of the prefused model on the topology's chips, under cfg's sharding preset; returns per-chip
-    memory against HBM, XLA's FLOPs and bytes accessed, and the compile time (JSON-ready).
+    of the prefused model (its MoE layers on kernels.decode_moe) on the topology's chips, under
+    cfg's sharding preset; returns per-chip memory against HBM, XLA's FLOPs and bytes accessed,
+    and the compile time (JSON-ready); with `cost`, also "cost": the HLO walk's FLOPs, HBM and
+    interconnect bytes and roofline step time (`step_cost.decode_step_cost`).
 
     Params take the run's param_dtype; the cache the compute dtype. XLA's refusal to fit is
     raised as from compile_step (`exceeds_hbm`)."""
@@ -420,14 +422,21 @@ def compile_decode_step(
     t1 = time.perf_counter()
     compiled = lowered.compile()
     compile_s = time.perf_counter() - t1
-    return {
+    out = {
         "topology": topology,
         "chips": n,
         "mesh": dict(plan.mesh.shape),
         "preset": plan.preset.name,
         "batch": batch,
         "cache_len": cache_len,
+        "decode_moe": cfg.kernels.decode_moe,
+        "num_layers": cfg.model.num_layers,
         **memory_and_cost(compiled, topology),
         "lower_s": t1 - t0,
         "compile_s": compile_s,
     }
+    if cost:
+        from moetext.step_cost import decode_step_cost  # step_cost imports this module
+
+        out["cost"] = decode_step_cost(topology, hlo_text(compiled))
+    return out
