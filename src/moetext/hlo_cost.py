@@ -7,7 +7,8 @@ hlo.call_multipliers, as the collectives count does): FLOPs of every dot and con
 Pallas call's own `pl.CostEstimate` (kernels without one, MaxText's and jax's splash attention:
 their useful FLOPs from their shapes, `_kernel_flops`); HBM bytes as XLA's cost analysis
 defines them (each top-level instruction reads its operands and writes its result; a fusion's
-internals stay on chip; a Pallas call at most its `pl.CostEstimate`'s bytes_accessed). `moetext.step_cost` turns them into a roofline.
+internals stay on chip; a Pallas call at most its `pl.CostEstimate`'s bytes_accessed).
+`moetext.step_cost` turns them into a roofline.
 """
 
 from __future__ import annotations

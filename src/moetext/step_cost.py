@@ -138,7 +138,7 @@ def decode_step_cost(topology: str, hlo_text: str) -> dict[str, Any]:
     from moetext import hlo
 
     cost = hlo_cost(hlo_text)
-    coll = [
+    coll: list[dict[str, Any]] = [
         {"op": op, "dtypes": dt, **v} for (op, dt), v in sorted(hlo.collectives(hlo_text).items())
     ]
     out = roofline(

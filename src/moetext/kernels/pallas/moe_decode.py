@@ -60,8 +60,10 @@ def active_slots(ids_TK: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Ar
     s = min(num_experts, ids_TK.size)
     ids = ids_TK.reshape(-1)
     valid = (ids >= 0) & (ids < num_experts)
-    used_E = jnp.zeros((num_experts,), jnp.bool_).at[jnp.where(valid, ids, num_experts)].set(
-        True, mode="drop"
+    used_E = (
+        jnp.zeros((num_experts,), jnp.bool_)
+        .at[jnp.where(valid, ids, num_experts)]
+        .set(True, mode="drop")
     )
     n = jnp.sum(used_E.astype(jnp.int32))
     (found_S,) = jnp.nonzero(used_E, size=s, fill_value=0)
@@ -82,7 +84,8 @@ def fused_moe(
     interpret: Interpret | None = None,
     chip: str | None = None,
 ) -> jax.Array:
-    """y_TD (out_dtype, default x's dtype; accumulated in f32) = sum_k w_TK * SwiGLU expert ids_TK of x_TD; see the module docstring.
+    """y_TD = sum_k w_TK * (SwiGLU expert ids_TK)(x_TD), accumulated in f32, returned as
+    out_dtype (default x's dtype); see the module docstring.
 
     x_TD is the compute dtype: weight blocks are cast to it in VMEM (f32 params are read as
     f32, never copied). ids_TK int32 in [0, E); an id outside selects nothing (its weight is

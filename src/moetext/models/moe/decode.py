@@ -233,7 +233,8 @@ def fused_sharded(
             return fused_kernel.fused_moe(x, ids, w, w_gu, w_dn)
         local = ids - jax.lax.axis_index(exp_axes) * n_local
         y = fused_kernel.fused_moe(x, local, w, w_gu, w_dn, out_dtype=jnp.float32)
-        return jax.lax.psum(y, exp_axes).astype(x.dtype)
+        summed: jax.Array = jax.lax.psum(y, exp_axes)  # type: ignore[no-untyped-call]  # jax: unannotated
+        return summed.astype(x.dtype)
 
     fn = jax.shard_map(
         body,
