@@ -59,3 +59,32 @@ def test_qwen3_30b_decode_step_fits(topology, chips):
     assert params > 60e9  # ~30.5B bf16
     per_chip = params / chips + cache / chips
     assert per_chip <= r["arguments_bytes"] <= per_chip * 1.001 + 2**20, r
+
+
+# The tiny config's experts widened to F = 128: Mosaic's gate and up blocks are 128 lanes wide.
+WIDE = ["moe.moe_intermediate_size=128"]
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize(
+    "overrides, fused",
+    [
+        (["sharding.preset=fsdp_ep", "sharding.mesh.expert=4", *WIDE], True),
+        (["sharding.preset=fsdp", *WIDE], False),
+        (["sharding.preset=fsdp_ep", "sharding.mesh.expert=4"], False),
+    ],
+    ids=["fsdp_ep-fused", "fsdp-loop", "F64-loop"],
+)
+def test_auto_decodes_through_the_fused_kernel_where_it_can(overrides, fused, monkeypatch):
+    # kernels.decode_moe=auto on TPU: the Mosaic kernel in shard_map when only "exp" splits the
+    # expert weights and F is a multiple of 128; else the loop path (under fsdp embed is split
+    # over the 4 chips; the tiny config's F = 64).
+    from moetext import aot
+
+    texts: list[str] = []
+    spy = aot.hlo_text
+    monkeypatch.setattr(aot, "hlo_text", lambda c: texts.append(spy(c)) or texts[-1])
+    cfg = config.load(REPO / "configs/models/tiny-qwen3-moe.yml", overrides)
+    r = compile_decode_step(cfg, "v5e:2x2", batch=8, cache_len=256, cost=True)
+    assert r["decode_moe"] == "auto" and r["cost"]["hbm_bytes_accessed"] > 0
+    assert ("moetext_fused_moe" in texts[0]) == fused

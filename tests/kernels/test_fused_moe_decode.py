@@ -124,10 +124,11 @@ def test_default_block_f_fits_the_budget():
         ({"ids": (2, 2)}, r"ids_TK and w_TK must both be \[T=3"),
         ({"w_down": (4, 128, 64)}, r"w_down must be \[E=4, F=128, D=128\]"),
         ({"block_f": 96}, r"block_f=96 must divide moe_intermediate_size F=128"),
+        ({"f": 64, "interpret": False}, r"F=64 is not a multiple of 128"),
     ],
 )
 def test_bad_inputs_raise(change, match):
-    x, ids, w, w_gu, w_dn = operands(3, 2, 4, 128, 128)
+    x, ids, w, w_gu, w_dn = operands(3, 2, 4, 128, change.get("f", 128))
     if "x" in change:
         x = np.zeros(change["x"], np.float32)
     if "ids" in change:
@@ -136,7 +137,15 @@ def test_bad_inputs_raise(change, match):
     if "w_down" in change:
         w_dn = np.zeros(change["w_down"], np.float32)
     with pytest.raises(ValueError, match=match):
-        md.fused_moe(x, ids, w, w_gu, w_dn, block_f=change.get("block_f"), interpret=True)
+        md.fused_moe(
+            x,
+            ids,
+            w,
+            w_gu,
+            w_dn,
+            block_f=change.get("block_f"),
+            interpret=change.get("interpret", True),
+        )
 
 
 @functools.cache

@@ -111,12 +111,13 @@ def test_fused_decode_logits_equal_the_loop_path():
 
 
 def test_auto_is_fused_only_for_tpu_code_and_few_rows():
-    assert not moe_decode.use_fused("auto", 8, 4)  # CPU
+    assert not moe_decode.use_fused("auto", 8, 4, 256)  # CPU
     with target.compiling_for("v6e"):
-        assert moe_decode.use_fused("auto", 8, 4)
-        assert not moe_decode.use_fused("auto", moe_decode.FUSED_MAX_ROWS + 1, 4)  # prefill
-        assert not moe_decode.use_fused("loop", 8, 4)
-    assert moe_decode.use_fused("fused", 8, 4)
+        assert moe_decode.use_fused("auto", 8, 4, 256)
+        assert not moe_decode.use_fused("auto", moe_decode.FUSED_MAX_ROWS + 1, 4, 256)  # prefill
+        assert not moe_decode.use_fused("auto", 8, 4, 64)  # F below Mosaic's 128 lanes
+        assert not moe_decode.use_fused("loop", 8, 4, 256)
+    assert moe_decode.use_fused("fused", 8, 4, 64)
 
 
 def test_unknown_decode_kernel_raises():

@@ -89,7 +89,7 @@ def fused_moe(
 
     x_TD is the compute dtype: weight blocks are cast to it in VMEM (f32 params are read as
     f32, never copied). ids_TK int32 in [0, E); an id outside selects nothing (its weight is
-    dropped). block_f: tf (None: `default_block_f`). interpret / chip as the gmm kernels'."""
+    dropped). block_f: tf (None: `default_block_f`); on TPU F must be a multiple of 128. interpret / chip as the gmm kernels'."""
     t, d, e, f = _check(x_TD, ids_TK, w_TK, w_gate_up, w_down)
     k = ids_TK.shape[1]
     w_item = max(jnp.dtype(w_gate_up.dtype).itemsize, jnp.dtype(w_down.dtype).itemsize)
@@ -100,6 +100,13 @@ def fused_moe(
             f"multiple of {tiling_lib.LANES} (or F itself)"
         )
     chip, interpret = tiling_lib.resolve_chip(chip), resolve_interpret(interpret)
+    if interpret is False and tf % tiling_lib.LANES:
+        # The gate and up blocks are column blocks of [E, D, 2F]: Mosaic needs them 128 wide.
+        raise ValueError(
+            f"fused_moe: moe_intermediate_size F={f} is not a multiple of {tiling_lib.LANES}, "
+            f"which the kernel's gate and up blocks of w_gate_up [E, D, 2F] need on TPU; use "
+            f"kernels.decode_moe=loop"
+        )
     slots_S, n_S = active_slots(ids_TK, e)
     s, nf = slots_S.shape[0], f // tf
     # Rows padded to the sublane tile of x's dtype; padded rows route nowhere (id -1).

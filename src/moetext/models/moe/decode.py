@@ -146,20 +146,23 @@ def routed_output(
     """y_TD = sum_k weights_TK * expert ids_TK (x_TD) of a prefused layer, in `dtype`: the fused
     kernel where the experts' decode kernel picks it (`use_fused`), else `expert_outputs`
     combined."""
-    kernel, e = getattr(experts, "decode_kernel", "loop"), experts.w_gate_up.shape[0]
-    if use_fused(kernel, x_TD.shape[0], e):
+    kernel, (e, _, f2) = getattr(experts, "decode_kernel", "loop"), experts.w_gate_up.shape
+    if use_fused(kernel, x_TD.shape[0], e, f2 // 2):
         return fused(x_TD, ids_TK, weights_TK, experts, dtype)
     y_TKD = expert_outputs(experts, x_TD, ids_TK, gmm, dtype)
     return dsp.combine(y_TKD, weights_TK, dtype)
 
 
-def use_fused(kernel: str, rows: int, num_experts: int) -> bool:
-    """Whether a decode call of `rows` rows runs the fused kernel (see kernels.decode_moe)."""
+def use_fused(kernel: str, rows: int, num_experts: int, f: int) -> bool:
+    """Whether a decode call of `rows` rows runs the fused kernel (see kernels.decode_moe) on
+    experts of width F = f (auto: on TPU only for F a multiple of 128, as Mosaic needs)."""
     if kernel == "loop" or rows > FUSED_MAX_ROWS:
         return False
     if kernel == "fused":
         return True
-    return target.tpu_code() and fused_layout(ep.layout_from_context(num_experts)) is None
+    if not target.tpu_code() or f % 128:
+        return False
+    return fused_layout(ep.layout_from_context(num_experts)) is None
 
 
 def fused_layout(layout: ep.EPLayout | None) -> str | None:
