@@ -46,6 +46,7 @@ _NO_BYTES = frozenset(
         "replica-id",
         "opt-barrier",
         "copy-done",
+        "slice-done",
         "all-gather-done",
         "all-reduce-done",
         "collective-permute-done",
@@ -363,8 +364,8 @@ def _module_cost(hlo_text: str) -> HloCost:
                 missing += k
             else:
                 flops += k * known
-        if comp in inner or ins.op in _NO_BYTES:
-            continue
+        if comp in inner or ins.op in _NO_BYTES or 'custom_call_target="ConcatBitcast"' in ins.line:
+            continue  # ConcatBitcast: XLA:TPU's view of prefetched chunks as one buffer
         callee = _FUSION_CALLS_RE.search(ins.line) if ins.op == "fusion" else None
         if callee:
             moved = _written(comps, callee.group(1), ins.shape) + sum(
@@ -375,6 +376,11 @@ def _module_cost(hlo_text: str) -> HloCost:
             moved = 2 * hlo.array_bytes(_shape_of(shapes, ins.operands[0]))[0]
         elif ins.op in ("dynamic-slice", "slice"):  # reads the slice, writes it
             moved = 2 * hlo.array_bytes(ins.shape)[0]
+        elif ins.op == "slice-start" and ins.shape.startswith("("):
+            # Async slice ((operand), slice, context): reads and writes the slice only (XLA:TPU
+            # prefetches a weight into VMEM in such chunks), not the whole operand per chunk.
+            elements = _tuple_elements(ins.shape)
+            moved = 2 * hlo.array_bytes(elements[1] if len(elements) > 1 else "")[0]
         elif ins.op == "dynamic-update-slice" and len(ins.operands) > 1:  # in place
             moved = 2 * hlo.array_bytes(_shape_of(shapes, ins.operands[1]))[0]
         else:
