@@ -89,7 +89,8 @@ def fused_moe(
 
     x_TD is the compute dtype: weight blocks are cast to it in VMEM (f32 params are read as
     f32, never copied). ids_TK int32 in [0, E); an id outside selects nothing (its weight is
-    dropped). block_f: tf (None: `default_block_f`); on TPU F must be a multiple of 128. interpret / chip as the gmm kernels'."""
+    dropped). block_f: tf (None: `default_block_f`); on TPU F must be a multiple of 128.
+    interpret / chip as the gmm kernels'."""
     t, d, e, f = _check(x_TD, ids_TK, w_TK, w_gate_up, w_down)
     k = ids_TK.shape[1]
     w_item = max(jnp.dtype(w_gate_up.dtype).itemsize, jnp.dtype(w_down.dtype).itemsize)
