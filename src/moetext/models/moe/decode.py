@@ -167,28 +167,34 @@ def use_fused(kernel: str, rows: int, num_experts: int, f: int) -> bool:
 
 def fused_layout(layout: ep.EPLayout | None) -> str | None:
     """None when the fused kernel can run under `layout` (no rules, or rules that split the
-    expert weights along E only), else why not."""
+    expert weights along E and/or D only, D on the same axes in both), else why not."""
     if layout is None:
         return None
-    split = [
-        (dim, axes)
-        for spec in (layout.w_in_spec, layout.w_out_spec)
+    split = {
+        (name, dim): axes
+        for name, spec in (("in", layout.w_in_spec), ("out", layout.w_out_spec))
         for dim, axes in ep.weight_gather(spec)
         if _size(layout, axes) > 1
-    ]
-    if not split:
+    }
+    d_in, d_out = split.pop(("in", 1), ()), split.pop(("out", 2), ())
+    if not split and d_in == d_out:
         return None
     return (
-        f"the sharding rules split expert-weight dims besides the experts (w_gate_up "
-        f"{layout.w_in_spec}, w_down {layout.w_out_spec}, mesh {dict(layout.mesh.shape)}); the "
-        f"fused decode kernel reads whole [D, F] expert slabs: use a preset that maps embed and "
-        f"mlp_moe to no mesh axis of size > 1 (e.g. fsdp_ep with sharding.mesh.expert="
-        f"<devices>), or kernels.decode_moe=loop"
+        f"the sharding rules split the expert weights along F (mlp_moe) or D differently in "
+        f"w_gate_up {layout.w_in_spec} and w_down {layout.w_out_spec} (mesh "
+        f"{dict(layout.mesh.shape)}); the fused decode kernel takes experts split along E and "
+        f"D (embed) only: use fsdp or fsdp_ep, or kernels.decode_moe=loop"
     )
 
 
 def _size(layout: ep.EPLayout, axes: tuple[str, ...]) -> int:
     return math.prod(layout.mesh.shape[a] for a in axes)
+
+
+def _d_axes(layout: ep.EPLayout) -> tuple[str, ...]:
+    """The mesh axes (of size > 1) that split D of the expert weights."""
+    axes = dict(ep.weight_gather(layout.w_in_spec)).get(1, ())
+    return axes if _size(layout, axes) > 1 else ()
 
 
 def fused(
@@ -214,12 +220,15 @@ def fused_sharded(
     w_gate_up: jax.Array,
     w_down: jax.Array,
 ) -> jax.Array:
-    """The fused kernel in shard_map: tokens split over the token axes that do not split the
-    experts (padded with rows routed nowhere), each expert shard runs its L = E/P local experts
-    on all of its tokens (global ids shifted by shard * L; other experts' ids fall outside
-    [0, L) and select nothing), and the partial outputs (f32) are summed over the expert axes."""
-    exp_axes = layout.exp_axes
-    tok_axes = tuple(a for a in layout.token_axes if a not in exp_axes)
+    """The fused kernel in shard_map. Tokens are split over the token axes that split neither
+    the experts nor D (padded with rows routed nowhere). Each expert shard runs its L = E/P
+    local experts on all of its tokens (global ids shifted by shard * L; other experts' ids fall
+    outside [0, L) and select nothing); partial outputs (f32) are summed over the expert axes.
+    With D split (fsdp), each shard holds [D / P_d] of every expert: the gate|up partial
+    products of the active slots are summed over the D axes before the SiLU (`fused_gate_up`,
+    psum [S, t, 2F] f32), then `fused_down` gives the shard's [t, D / P_d] columns of y."""
+    exp_axes, d_axes = layout.exp_axes, _d_axes(layout)
+    tok_axes = tuple(a for a in layout.token_axes if a not in exp_axes + d_axes)
     shards = _size(layout, tok_axes)
     t, n_local = x_TD.shape[0], w_gate_up.shape[0] // layout.num_shards
     pad = -t % shards
@@ -228,26 +237,49 @@ def fused_sharded(
         ids_TK = jnp.pad(ids_TK, ((0, pad), (0, 0)), constant_values=-1)
         weights_TK = jnp.pad(weights_TK, ((0, pad), (0, 0)))
     tok = PartitionSpec(tok_axes or None)  # type: ignore[no-untyped-call]  # jax: PartitionSpec.__new__ unannotated
+    out = PartitionSpec(tok_axes or None, d_axes or None)  # type: ignore[no-untyped-call]  # jax: PartitionSpec.__new__ unannotated
 
     def body(
         x: jax.Array, ids: jax.Array, w: jax.Array, w_gu: jax.Array, w_dn: jax.Array
     ) -> jax.Array:
-        if not exp_axes:
-            return fused_kernel.fused_moe(x, ids, w, w_gu, w_dn)
-        local = ids - jax.lax.axis_index(exp_axes) * n_local
-        y = fused_kernel.fused_moe(x, local, w, w_gu, w_dn, out_dtype=jnp.float32)
-        summed: jax.Array = jax.lax.psum(y, exp_axes)  # type: ignore[no-untyped-call]  # jax: unannotated
-        return summed.astype(x.dtype)
+        if exp_axes:
+            ids = ids - jax.lax.axis_index(exp_axes) * n_local
+        if not d_axes:
+            y = fused_kernel.fused_moe(x, ids, w, w_gu, w_dn, out_dtype=jnp.float32)
+        else:
+            y = _d_split(x, ids, w, w_gu, w_dn, d_axes)
+        if exp_axes:
+            y = jax.lax.psum(y, exp_axes)  # type: ignore[no-untyped-call]  # jax: unannotated
+        return y.astype(x.dtype)
 
     fn = jax.shard_map(
         body,
         mesh=layout.mesh,
         in_specs=(tok, tok, tok, layout.w_in_spec, layout.w_out_spec),
-        out_specs=tok,
+        out_specs=out,
         check_vma=False,  # as in ep.dropless: the specs state the replication exactly
     )
     y_TD: jax.Array = fn(x_TD, ids_TK, weights_TK, w_gate_up, w_down)
     return y_TD[:t]
+
+
+def _d_split(
+    x_tD: jax.Array,
+    ids_tK: jax.Array,
+    w_tK: jax.Array,
+    w_gu: jax.Array,
+    w_dn: jax.Array,
+    d_axes: tuple[str, ...],
+) -> jax.Array:
+    """One shard's [t, D / P_d] columns of y (f32) from its D slices of the expert weights."""
+    slots_S, n_S = fused_kernel.active_slots(ids_tK, w_gu.shape[0])
+    d_idx = jax.lax.axis_index(d_axes)
+    x_slice = jax.lax.dynamic_slice_in_dim(x_tD, d_idx * w_gu.shape[1], w_gu.shape[1], axis=1)
+    g, u = fused_kernel.fused_gate_up(x_slice, slots_S, n_S, w_gu)
+    g, u = jax.lax.psum((g, u), d_axes)  # type: ignore[no-untyped-call]  # jax: unannotated
+    c_ST = fused_kernel.slot_weights(ids_tK, w_tK, slots_S, n_S)
+    h = (c_ST[..., None] * jax.nn.silu(g) * u).astype(x_tD.dtype)
+    return fused_kernel.fused_down(h, slots_S, n_S, w_dn)
 
 
 def expert_outputs(
