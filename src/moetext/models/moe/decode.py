@@ -23,9 +23,8 @@ Both equal the training layer's dropless forward (tests/models/test_moe_decode.p
 FUSED_MAX_ROWS rows, by `fused`: one Pallas TPU kernel (kernels/pallas/moe_decode.py) that reads
 each active expert's weights once and applies the combine weights itself, so it returns y_TD
 where the two above return y_TKD (`routed_output` gives y_TD either way). auto takes it when the
-code runs on or compiles for a TPU and the sharding rules split no expert-weight dim but "exp"
-(`fused_layout`); under rules it runs in shard_map, each shard over its local experts, partial
-outputs summed over the expert axes.
+code runs on or compiles for a TPU and the sharding rules split the expert weights along E
+and/or D only (`fused_layout`); under rules it runs in shard_map (`fused_sharded`).
 """
 
 from __future__ import annotations
