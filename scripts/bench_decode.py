@@ -121,7 +121,8 @@ def main() -> None:
     batches = [int(b) for b in filter(None, args.aot_batches.split(","))] or [args.aot_batch]
     kernels = [[f"kernels.decode_moe={k}"] for k in filter(None, args.aot_decode_moe.split(","))]
     for topology in filter(None, args.aot.split(",")):
-        from moetext.aot import compile_decode_step
+        from moetext import step_cost
+        from moetext.aot import compiled_decode_step, hlo_text
 
         for batch in batches:
             for kernel in kernels or [[]]:
@@ -134,9 +135,11 @@ def main() -> None:
                         *kernel,
                     ],
                 )
-                r = compile_decode_step(
-                    cfg, topology, batch=batch, cache_len=args.aot_cache, cost=args.cost
+                r, compiled = compiled_decode_step(
+                    cfg, topology, batch=batch, cache_len=args.aot_cache
                 )
+                if args.cost:
+                    r["cost"] = step_cost.decode_step_cost(r, hlo_text(compiled))
                 print(json.dumps({"aot": r}), flush=True)
                 rows.append({"aot": r})
     if args.cost:

@@ -356,13 +356,20 @@ def _micro_batches(r: dict[str, Any]) -> str:
 
 
 def compile_decode_step(
-    cfg: Config, topology: str, *, batch: int, cache_len: int, cost: bool = False
+    cfg: Config, topology: str, *, batch: int, cache_len: int
 ) -> dict[str, Any]:
+    """The report of `compiled_decode_step` (JSON-ready)."""
+    return compiled_decode_step(cfg, topology, batch=batch, cache_len=cache_len)[0]
+
+
+def compiled_decode_step(
+    cfg: Config, topology: str, *, batch: int, cache_len: int
+) -> tuple[dict[str, Any], Any]:
     """Compiles one decode step (one new token per row against a KV cache of cache_len slots)
     of the prefused model (its MoE layers on kernels.decode_moe) on the topology's chips, under
-    cfg's sharding preset; returns per-chip memory against HBM, XLA's FLOPs and bytes accessed,
-    and the compile time (JSON-ready); with `cost`, also "cost": the HLO walk's FLOPs, HBM and
-    interconnect bytes and roofline step time (`step_cost.decode_step_cost`).
+    cfg's sharding preset; returns (per-chip memory against HBM, XLA's FLOPs and bytes
+    accessed, the collectives and the compile time (JSON-ready); the compiled program), which
+    `step_cost.decode_step_cost` turns into a roofline.
 
     Params take the run's param_dtype; the cache the compute dtype. XLA's refusal to fit is
     raised as from compile_step (`exceeds_hbm`)."""
@@ -434,9 +441,9 @@ def compile_decode_step(
         **memory_and_cost(compiled, topology),
         "lower_s": t1 - t0,
         "compile_s": compile_s,
+        "collectives": [
+            {"op": op, "dtypes": dt, **v}
+            for (op, dt), v in sorted(hlo.collectives(hlo_text(compiled)).items())
+        ],
     }
-    if cost:
-        from moetext.step_cost import decode_step_cost  # step_cost imports this module
-
-        out["cost"] = decode_step_cost(topology, hlo_text(compiled))
-    return out
+    return out, compiled

@@ -131,18 +131,14 @@ def step_cost(r: dict[str, Any], hlo_texts: Iterable[str]) -> dict[str, Any]:
     return out
 
 
-def decode_step_cost(topology: str, hlo_text: str) -> dict[str, Any]:
-    """The step cost of a compiled decode step (aot.compile_decode_step) from its optimised
-    HLO, per device: compiled FLOPs, HBM bytes, interconnect bytes sent and the roofline bounds
-    (no MFU: a decode step has no training FLOP count to hold it against)."""
-    from moetext import hlo
-
+def decode_step_cost(r: dict[str, Any], hlo_text: str) -> dict[str, Any]:
+    """The step cost of a compiled decode step (`aot.compiled_decode_step`'s report `r` and its
+    optimised HLO), per device: compiled FLOPs, HBM bytes, interconnect bytes sent and the
+    roofline bounds (no MFU: a decode step has no training FLOP count to hold it against)."""
     cost = hlo_cost(hlo_text)
-    coll: list[dict[str, Any]] = [
-        {"op": op, "dtypes": dt, **v} for (op, dt), v in sorted(hlo.collectives(hlo_text).items())
-    ]
+    coll: list[dict[str, Any]] = r["collectives"]
     out = roofline(
-        chip=chip_of(topology),
+        chip=chip_of(r["topology"]),
         model_flops=0.0,
         compiled_flops=cost.flops,
         hbm_bytes_accessed=cost.hbm_bytes,

@@ -76,16 +76,16 @@ WIDE = ["moe.moe_intermediate_size=128"]
     ],
     ids=["fsdp_ep-fused", "fsdp-fused", "fsdp_tp-loop", "F64-loop"],
 )
-def test_auto_decodes_through_the_fused_kernel_where_it_can(overrides, fused, monkeypatch):
+def test_auto_decodes_through_the_fused_kernel_where_it_can(overrides, fused):
     # kernels.decode_moe=auto on TPU: the Mosaic kernels in shard_map when the rules split the
     # expert weights along E (fsdp_ep) or D (fsdp) and F is a multiple of 128; else the loop
     # path (fsdp_tp splits F over `tensor`; the tiny config's F = 64).
-    from moetext import aot
+    from moetext import aot, step_cost
 
-    texts: list[str] = []
-    spy = aot.hlo_text
-    monkeypatch.setattr(aot, "hlo_text", lambda c: texts.append(spy(c)) or texts[-1])
     cfg = config.load(REPO / "configs/models/tiny-qwen3-moe.yml", overrides)
-    r = compile_decode_step(cfg, "v5e:2x2", batch=8, cache_len=256, cost=True)
-    assert r["decode_moe"] == "auto" and r["cost"]["hbm_bytes_accessed"] > 0
-    assert ("moetext_fused_" in texts[0]) == fused
+    r, compiled = aot.compiled_decode_step(cfg, "v5e:2x2", batch=8, cache_len=256)
+    text = aot.hlo_text(compiled)
+    assert (
+        r["decode_moe"] == "auto" and step_cost.decode_step_cost(r, text)["hbm_bytes_accessed"] > 0
+    )
+    assert ("moetext_fused_" in text) == fused
