@@ -3,11 +3,16 @@
 
     .venv/bin/python scripts/bench_decode.py [--shapes tiny,30b-2layer] [--batches 1,8,64]
         [--steps 64] [--repeats 3] [--out bench.json]
-        [--aot v5e:2x4,v6e:2x2 --shapes "" [--aot_preset fsdp_ep --aot_set sharding.mesh.expert=4]]
+        [--aot v5e:2x4,v6e:2x2 --shapes "" [--aot_preset fsdp_ep --aot_set sharding.mesh.expert=4]
+         [--aot_batches 1,8,64] [--aot_decode_moe fused,loop] [--cost]]
 
 A decode step is one new token for every row of the batch (KV cache, jitted while_loop). Time
 per step = (best of --repeats generate calls with 1 + steps new tokens - best of --repeats with
 1 new token) / steps, after a compile run of each; prompts are 8 random tokens (one 32-slot bucket).
+--aot compiles the Qwen3-30B-A3B decode step for each topology, batch (--aot_batches, default
+--aot_batch) and kernels.decode_moe (--aot_decode_moe; default the config's, auto); --cost adds
+the step-cost walk (moetext.step_cost.decode_step_cost: compiled FLOPs, HBM bytes, interconnect
+bytes, roofline step time; compiler-derived estimates, not timings) and prints a table.
 Shapes: `tiny` is configs/models/tiny-qwen3-moe.yml; `30b-2layer` is Qwen3-30B-A3B
 (configs/models/qwen3-30b-a3b.yml) cut to 2 MoE layers, bf16 params and compute.
 """
@@ -66,6 +71,25 @@ def step_ms(model: Any, vocab: int, batch: int, steps: int, repeats: int) -> flo
     return 1000 * (long - short) / steps
 
 
+def cost_table(reports: list[dict[str, Any]]) -> str:
+    """A Markdown table of --aot --cost reports, one row per compile."""
+    head = (
+        "| topology | batch | decode_moe | layers | memory / device GiB | FLOPs / device | "
+        "HBM bytes / device | ICI bytes / device | roofline step (ms) | dominant |\n"
+        "|---|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    for r in reports:
+        c = r["cost"]
+        lines.append(
+            f"| {r['topology']} | {r['batch']} | {r['decode_moe']} | {r['num_layers']} | "
+            f"{r['total_bytes'] / 2**30:.2f} | {c['compiled_flops']:.3g} | "
+            f"{c['hbm_bytes_accessed'] / 1e9:.3f} GB | {c['ici_bytes'] / 1e6:.2f} MB | "
+            f"{c['step_s_low'] * 1e3:.3f} - {c['step_s_high'] * 1e3:.3f} | {c['dominant']} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="tiny,30b-2layer")
@@ -80,6 +104,9 @@ def main() -> None:
         "qwen3-30b-a3b decode step (bf16 params, --aot_batch rows, --aot_cache slots) for each",
     )
     p.add_argument("--aot_batch", type=int, default=8)
+    p.add_argument("--aot_batches", default="", help="comma-separated batches (overrides)")
+    p.add_argument("--aot_decode_moe", default="", help="comma-separated kernels.decode_moe values")
+    p.add_argument("--cost", action="store_true", help="add the step-cost report to --aot")
     p.add_argument("--aot_cache", type=int, default=4096)
     p.add_argument("--aot_preset", default="fsdp")
     p.add_argument(
@@ -91,16 +118,32 @@ def main() -> None:
     )
     args = p.parse_args()
     rows: list[dict[str, Any]] = []
+    batches = [int(b) for b in filter(None, args.aot_batches.split(","))] or [args.aot_batch]
+    kernels = [[f"kernels.decode_moe={k}"] for k in filter(None, args.aot_decode_moe.split(","))]
     for topology in filter(None, args.aot.split(",")):
-        from moetext.aot import compile_decode_step
+        from moetext import step_cost
+        from moetext.aot import compiled_decode_step, hlo_text
 
-        cfg = config_lib.load(
-            REPO / "configs/models/qwen3-30b-a3b.yml",
-            ["model.param_dtype=bfloat16", f"sharding.preset={args.aot_preset}", *args.aot_set],
-        )
-        r = compile_decode_step(cfg, topology, batch=args.aot_batch, cache_len=args.aot_cache)
-        print(json.dumps({"aot": r}), flush=True)
-        rows.append({"aot": r})
+        for batch in batches:
+            for kernel in kernels or [[]]:
+                cfg = config_lib.load(
+                    REPO / "configs/models/qwen3-30b-a3b.yml",
+                    [
+                        "model.param_dtype=bfloat16",
+                        f"sharding.preset={args.aot_preset}",
+                        *args.aot_set,
+                        *kernel,
+                    ],
+                )
+                r, compiled = compiled_decode_step(
+                    cfg, topology, batch=batch, cache_len=args.aot_cache
+                )
+                if args.cost:
+                    r["cost"] = step_cost.decode_step_cost(r, hlo_text(compiled))
+                print(json.dumps({"aot": r}), flush=True)
+                rows.append({"aot": r})
+    if args.cost:
+        print(cost_table([r["aot"] for r in rows if "aot" in r]), flush=True)
     if not args.shapes:
         return
     for shape in filter(None, args.shapes.split(",")):

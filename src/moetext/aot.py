@@ -358,9 +358,18 @@ def _micro_batches(r: dict[str, Any]) -> str:
 def compile_decode_step(
     cfg: Config, topology: str, *, batch: int, cache_len: int
 ) -> dict[str, Any]:
+    """The report of `compiled_decode_step` (JSON-ready)."""
+    return compiled_decode_step(cfg, topology, batch=batch, cache_len=cache_len)[0]
+
+
+def compiled_decode_step(
+    cfg: Config, topology: str, *, batch: int, cache_len: int
+) -> tuple[dict[str, Any], Any]:
     """Compiles one decode step (one new token per row against a KV cache of cache_len slots)
-    of the prefused model on the topology's chips, under cfg's sharding preset; returns per-chip
-    memory against HBM, XLA's FLOPs and bytes accessed, and the compile time (JSON-ready).
+    of the prefused model (its MoE layers on kernels.decode_moe) on the topology's chips, under
+    cfg's sharding preset; returns (per-chip memory against HBM, XLA's FLOPs and bytes
+    accessed, the collectives and the compile time (JSON-ready); the compiled program), which
+    `step_cost.decode_step_cost` turns into a roofline.
 
     Params take the run's param_dtype; the cache the compute dtype. XLA's refusal to fit is
     raised as from compile_step (`exceeds_hbm`)."""
@@ -381,7 +390,7 @@ def compile_decode_step(
 
     def prefused() -> nnx.Module:
         model = models.build(cfg.model, cfg.moe, cfg.kernels, rngs=nnx.Rngs(params=0))
-        prefuse_all(model)
+        prefuse_all(model, cfg.kernels.decode_moe)
         return model
 
     abstract = nnx.eval_shape(prefused)
@@ -420,14 +429,21 @@ def compile_decode_step(
     t1 = time.perf_counter()
     compiled = lowered.compile()
     compile_s = time.perf_counter() - t1
-    return {
+    out = {
         "topology": topology,
         "chips": n,
         "mesh": dict(plan.mesh.shape),
         "preset": plan.preset.name,
         "batch": batch,
         "cache_len": cache_len,
+        "decode_moe": cfg.kernels.decode_moe,
+        "num_layers": cfg.model.num_layers,
         **memory_and_cost(compiled, topology),
         "lower_s": t1 - t0,
         "compile_s": compile_s,
+        "collectives": [
+            {"op": op, "dtypes": dt, **v}
+            for (op, dt), v in sorted(hlo.collectives(hlo_text(compiled)).items())
+        ],
     }
+    return out, compiled

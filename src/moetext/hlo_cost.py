@@ -7,7 +7,8 @@ hlo.call_multipliers, as the collectives count does): FLOPs of every dot and con
 Pallas call's own `pl.CostEstimate` (kernels without one, MaxText's and jax's splash attention:
 their useful FLOPs from their shapes, `_kernel_flops`); HBM bytes as XLA's cost analysis
 defines them (each top-level instruction reads its operands and writes its result; a fusion's
-internals stay on chip). `moetext.step_cost` turns them into a roofline.
+internals stay on chip; a Pallas call at most its `pl.CostEstimate`'s bytes_accessed).
+`moetext.step_cost` turns them into a roofline.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ _CONTRACT_RE = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _DIM_LABELS_RE = re.compile(r"dim_labels=([\w]+)_([\w]+)->([\w]+)")
 _FEATURE_GROUPS_RE = re.compile(r"feature_group_count=(\d+)")
 _CE_FLOPS_RE = re.compile(r'cost_estimate\\?"\s*:\s*\{\\?"flops\\?"\s*:\s*\\?"?(\d+)')
+_CE_BYTES_RE = re.compile(r'cost_estimate\\?"\s*:\s*\{[^}]*?bytes_accessed\\?"\s*:\s*\\?"?(\d+)')
 # Instructions that move no HBM bytes of their own (XLA's cost analysis gives them none, or
 # their bytes are counted in the computations they call).
 _NO_BYTES = frozenset(
@@ -44,6 +46,7 @@ _NO_BYTES = frozenset(
         "replica-id",
         "opt-barrier",
         "copy-done",
+        "slice-done",
         "all-gather-done",
         "all-reduce-done",
         "collective-permute-done",
@@ -361,8 +364,8 @@ def _module_cost(hlo_text: str) -> HloCost:
                 missing += k
             else:
                 flops += k * known
-        if comp in inner or ins.op in _NO_BYTES:
-            continue
+        if comp in inner or ins.op in _NO_BYTES or 'custom_call_target="ConcatBitcast"' in ins.line:
+            continue  # ConcatBitcast: XLA:TPU's view of prefetched chunks as one buffer
         callee = _FUSION_CALLS_RE.search(ins.line) if ins.op == "fusion" else None
         if callee:
             moved = _written(comps, callee.group(1), ins.shape) + sum(
@@ -373,12 +376,21 @@ def _module_cost(hlo_text: str) -> HloCost:
             moved = 2 * hlo.array_bytes(_shape_of(shapes, ins.operands[0]))[0]
         elif ins.op in ("dynamic-slice", "slice"):  # reads the slice, writes it
             moved = 2 * hlo.array_bytes(ins.shape)[0]
+        elif ins.op == "slice-start" and ins.shape.startswith("("):
+            # Async slice ((operand), slice, context): reads and writes the slice only (XLA:TPU
+            # prefetches a weight into VMEM in such chunks), not the whole operand per chunk.
+            elements = _tuple_elements(ins.shape)
+            moved = 2 * hlo.array_bytes(elements[1] if len(elements) > 1 else "")[0]
         elif ins.op == "dynamic-update-slice" and len(ins.operands) > 1:  # in place
             moved = 2 * hlo.array_bytes(_shape_of(shapes, ins.operands[1]))[0]
         else:
             moved = hlo.array_bytes(ins.shape)[0] + sum(
                 hlo.array_bytes(_shape_of(shapes, o))[0] for o in ins.operands
             )
+            if ins.op == "custom-call" and (ce := _CE_BYTES_RE.search(ins.line)):
+                # A Pallas call whose estimate reads less than its whole operands (the fused
+                # MoE decode kernel: the active experts' blocks of [E, ...] weights).
+                moved = min(moved, float(ce.group(1)))
         hbm += k * moved
         movers[f"{ins.op} {ins.name} {re.sub(r'[{].*', '', ins.shape)} x{k}"] += k * moved
     top = tuple(sorted(movers.items(), key=lambda kv: -kv[1])[:10])

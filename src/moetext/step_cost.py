@@ -131,6 +131,26 @@ def step_cost(r: dict[str, Any], hlo_texts: Iterable[str]) -> dict[str, Any]:
     return out
 
 
+def decode_step_cost(r: dict[str, Any], hlo_text: str) -> dict[str, Any]:
+    """The step cost of a compiled decode step (`aot.compiled_decode_step`'s report `r` and its
+    optimised HLO), per device: compiled FLOPs, HBM bytes, interconnect bytes sent and the
+    roofline bounds (no MFU: a decode step has no training FLOP count to hold it against)."""
+    cost = hlo_cost(hlo_text)
+    coll: list[dict[str, Any]] = r["collectives"]
+    out = roofline(
+        chip=chip_of(r["topology"]),
+        model_flops=0.0,
+        compiled_flops=cost.flops,
+        hbm_bytes_accessed=cost.hbm_bytes,
+        ici_bytes=sum(c["sent"] for c in coll),
+    )
+    for key in ("model_flops", "recompute_ratio", "mfu_high", "mfu_low"):
+        del out[key]
+    out["pallas_calls_without_estimate"] = cost.pallas_calls_without_estimate
+    out["ici_bytes_by_op"] = _sent_by(coll, "op")
+    return out
+
+
 def _sent_by(collectives: list[dict[str, Any]], key: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for c in collectives:

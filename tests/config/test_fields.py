@@ -98,6 +98,7 @@ RESUME_SAFE = {
             "recipe",
             "fuse_gate_up",
             "grad_reduce_dtype",
+            "decode_moe",
         )
     ),
     *(f"data.{k}" for k in ("data_dir", "prefetch", "eval_split", "eval_batches")),

@@ -59,3 +59,33 @@ def test_qwen3_30b_decode_step_fits(topology, chips):
     assert params > 60e9  # ~30.5B bf16
     per_chip = params / chips + cache / chips
     assert per_chip <= r["arguments_bytes"] <= per_chip * 1.001 + 2**20, r
+
+
+# The tiny config's experts widened to F = 128: Mosaic's gate and up blocks are 128 lanes wide.
+WIDE = ["moe.moe_intermediate_size=128"]
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize(
+    "overrides, fused",
+    [
+        (["sharding.preset=fsdp_ep", "sharding.mesh.expert=4", *WIDE], True),
+        (["sharding.preset=fsdp", *WIDE], True),
+        (["sharding.preset=fsdp_tp", "sharding.mesh.tensor=2", *WIDE], False),
+        (["sharding.preset=fsdp_ep", "sharding.mesh.expert=4"], False),
+    ],
+    ids=["fsdp_ep-fused", "fsdp-fused", "fsdp_tp-loop", "F64-loop"],
+)
+def test_auto_decodes_through_the_fused_kernel_where_it_can(overrides, fused):
+    # kernels.decode_moe=auto on TPU: the Mosaic kernels in shard_map when the rules split the
+    # expert weights along E (fsdp_ep) or D (fsdp) and F is a multiple of 128; else the loop
+    # path (fsdp_tp splits F over `tensor`; the tiny config's F = 64).
+    from moetext import aot, step_cost
+
+    cfg = config.load(REPO / "configs/models/tiny-qwen3-moe.yml", overrides)
+    r, compiled = aot.compiled_decode_step(cfg, "v5e:2x2", batch=8, cache_len=256)
+    text = aot.hlo_text(compiled)
+    assert (
+        r["decode_moe"] == "auto" and step_cost.decode_step_cost(r, text)["hbm_bytes_accessed"] > 0
+    )
+    assert ("moetext_fused_" in text) == fused

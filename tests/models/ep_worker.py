@@ -220,6 +220,40 @@ def check_decode(block: Block) -> dict[str, Any]:
     return out
 
 
+def check_fused_decode(block: Block) -> dict[str, Any]:
+    """The fused decode kernel (kernels.decode_moe=fused, interpreted) under ep4 / ep8 (a
+    shard_map over the expert shards, partial outputs summed), fsdp4 (D split: gate|up partials
+    psum-ed over fsdp) and ep2 x fsdp2, on all 32 tokens and on 3, against the unsharded
+    forward; and the error under fsdp_tp, which splits F."""
+    prefused = nnx.merge(block.graphdef, block.params)
+    moe_decode.prefuse(prefused.experts, "fused")
+    gd, params = nnx.split(prefused)
+    out: dict[str, Any] = {}
+    settings = (
+        ("ep4", RULES, (2, 1, 4, 1)),
+        ("ep8", RULES, (1, 1, 8, 1)),
+        ("fsdp4", load_preset("fsdp").rules, (1, 4, 1, 1)),
+        ("ep2fsdp2", RULES, (2, 2, 2, 1)),
+    )
+    for name, rules, shape in settings:
+        for tokens, x in (("T32", block.x), ("T3", block.x[:3, :1])):
+            want = np.asarray(nnx.merge(block.graphdef, block.params)(x)[0], np.float64)
+            with logical.use_rules(mesh_of(shape), rules):
+                lowered = jax.jit(lambda p, x: nnx.merge(gd, p).decode(x)).lower(params, x)
+                got = np.asarray(lowered.compile()(params, x), np.float64)
+            out[f"{name}_{tokens}"] = {
+                "rel": float(np.max(np.abs(got - want)) / np.max(np.abs(want))),
+                "manual": uses_shard_map(lowered.as_text()),
+            }
+    try:
+        with logical.use_rules(mesh_of((1, 2, 1, 2)), load_preset("fsdp_tp").rules):
+            jax.jit(lambda p, x: nnx.merge(gd, p).decode(x)).lower(params, block.x)
+        out["tp_error"] = ""
+    except ValueError as e:
+        out["tp_error"] = str(e)
+    return out
+
+
 @contextmanager
 def emulated_ragged_exchange(calls: list[str]) -> Iterator[None]:
     """ep's TPU exchange ("ragged") on CPU, with ragged_all_to_all (no XLA:CPU lowering)
@@ -346,6 +380,7 @@ def main() -> None:
         res["block"]["one_device_layout"] = repr(ep.layout_from_context(CFG.num_experts))
     res["block"]["ep4_ragged"] = check_ragged_exchange(block, ref)
     res["decode"] = check_decode(block)
+    res["fused_decode"] = check_fused_decode(block)
     res["indivisible"] = indivisible_error(block)
     res["train"] = check_train()
     print("RESULT " + json.dumps(res), flush=True)

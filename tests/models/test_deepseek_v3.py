@@ -158,9 +158,12 @@ def test_scan_layers_equals_unscanned():
     )
 
 
-def test_latent_cache_decoding_equals_uncached_forward():
+# fused: the routed experts through the fused decode kernel (interpreted), DeepSeek-V3's
+# sigmoid routing, scaling and shared expert outside it.
+@pytest.mark.parametrize("decode_moe", ["auto", "fused"])
+def test_latent_cache_decoding_equals_uncached_forward(decode_moe):
     model, reference = _build(seed=3), _build(seed=3)
-    assert prefuse_all(model) == 2  # what moetext.generate decodes with
+    assert prefuse_all(model, decode_moe) == 2  # what moetext.generate decodes with
     spec = models.get_family("deepseek_v3").decode_cache(tiny_deepseek(), 3, 32)
     # The cache holds the latent and the shared RoPE key per token and layer, nothing per head.
     assert [(c.latent_BTC.shape, c.k_rope_BTR.shape) for c in spec] == [

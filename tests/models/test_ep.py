@@ -196,3 +196,20 @@ def test_sharded_decode_runs_the_grouped_path_per_shard(results, name):
     # global call would not compile on a multi-chip TPU. Same f32 rounding sources as above.
     r = results["decode"][name]
     assert r["manual"] and r["rel"] <= REL_TOL, r
+
+
+@pytest.mark.parametrize(
+    "name",
+    [f"{s}_{t}" for s in ("ep4", "ep8", "fsdp4", "ep2fsdp2") for t in ("T32", "T3")],
+)
+def test_sharded_fused_decode_matches_single_shard(results, name):
+    # kernels.decode_moe=fused under rules that split E and/or D: each shard's kernel over its
+    # local experts (partial outputs psum-ed in f32), D slices' gate|up partials psum-ed before
+    # the SiLU. Same f32 rounding sources as above.
+    r = results["fused_decode"][name]
+    assert r["manual"] and r["rel"] <= REL_TOL, r
+
+
+def test_fused_decode_refuses_rules_that_split_f(results):
+    err = results["fused_decode"]["tp_error"]
+    assert "kernels.decode_moe=fused" in err and "along F (mlp_moe)" in err, err

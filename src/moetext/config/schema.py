@@ -232,6 +232,13 @@ class KernelsConfig:
     grad_reduce_dtype: Literal["param", "bfloat16"] = resume_safe("param")
     """dtype of the reduce-scatter of sharded expert-weight gradients: param (the weights'
     dtype, f32 by default) or bfloat16 (half the bytes and the full-size gradient buffer)."""
+    decode_moe: Literal["auto", "fused", "loop"] = resume_safe("auto")
+    """The routed experts of a decoding (prefused) MoE layer with at most 256 rows: fused (one
+    Pallas TPU kernel reading each active expert's weights once; interpreted off TPU), loop (a
+    loop over the (token, expert) rows for T*K <= E, else grouped matmuls); auto: fused when
+    running on or compiling for a TPU, F is a multiple of 128 and the sharding rules split the
+    expert weights along E and/or D only (fsdp, fsdp_ep), else loop. Prefill (more rows) always
+    takes the grouped matmuls."""
     regather_weights: bool = must_match(False)
     """All-gather FSDP-sharded expert weights again in the backward instead of keeping the
     forward's gathered copy: less memory per chip (Qwen3-30B-A3B on v5p:4x4x2: 18.51 -> 17.36

@@ -85,7 +85,8 @@ def load(
     )
     graphdef, _, _, rest = nnx.split(abstract, nnx.Param, models.ModelState, ...)  # type: ignore[misc]
     model = nnx.merge(graphdef, params, model_state, rest)
-    prefuse_all(model)  # decoding's expert layout: one [E, D, 2F] gate|up weight per layer
+    # Decoding's expert layout: one [E, D, 2F] gate|up weight per layer, on kernels.decode_moe.
+    prefuse_all(model, cfg.kernels.decode_moe)
     return cfg, model, tok
 
 

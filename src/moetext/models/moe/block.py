@@ -223,15 +223,16 @@ class MoEBlock(nnx.Module):
 
     def decode(self, x_BSD: jax.Array) -> jax.Array:
         """The layer's output without the auxiliary losses, for decoding. With prefused experts
-        (`moe.decode.prefuse`) it runs the decode path (gathered or grouped, one gate|up
-        matmul); otherwise the training forward."""
+        (`moe.decode.prefuse`) it runs the decode path (the fused kernel, gathered or grouped;
+        one gate|up matmul); otherwise the training forward."""
         if not moe_decode.is_prefused(self.experts):
             return self(x_BSD)[0]
         b, s, d = x_BSD.shape
         x_TD = x_BSD.reshape(b * s, d).astype(self.dtype)
         routing = self._route(x_TD, None)  # its losses and metrics are unused: jit drops them
-        y_TKD = moe_decode.expert_outputs(self.experts, x_TD, routing.ids_TK, self.gmm, self.dtype)
-        y_TD = dsp.combine(y_TKD, routing.weights_TK, self.dtype)
+        y_TD = moe_decode.routed_output(
+            self.experts, x_TD, routing.ids_TK, routing.weights_TK, self.gmm, self.dtype
+        )
         if self.shared is not None:
             y_TD = y_TD + self._shared(x_TD)
         return y_TD.reshape(b, s, d)

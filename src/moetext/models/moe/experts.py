@@ -25,6 +25,8 @@ MatMul = Callable[[jax.Array, jax.Array], jax.Array]  # (lhs [M, K], w [E, K, N]
 class Experts(nnx.Module):
     # [E, D, 2F] = [w_gate | w_up], only after moe.decode.prefuse (which deletes the two).
     w_gate_up: nnx.Param[jax.Array]
+    # kernels.decode_moe of a prefused layer (set by moe.decode.prefuse).
+    decode_kernel: str
 
     def __init__(
         self,

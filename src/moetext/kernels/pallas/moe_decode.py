@@ -1,0 +1,541 @@
+"""A fused MoE layer for decoding (Pallas Mosaic TPU): every active expert's weights read once.
+
+Legend: T decode rows (1..~256), K experts per token, E experts, D emb_dim, F
+moe_intermediate_size, S = min(E, T*K) expert slots, J = F / tf blocks of F per slot.
+
+    y_TD = sum_k w_TK[t, k] * down_e(silu(x_t @ gate_e) * (x_t @ up_e)),  e = ids_TK[t, k]
+
+with prefused w_gate_up [E, D, 2F] ([gate | up] on the last axis) and w_down [E, F, D]. A decode
+step is memory-bound: the bytes are the active experts' weights, the FLOPs are negligible. So
+outside the kernel the sorted distinct experts of ids_TK go into S slots (a slot past the active
+count repeats the last active expert) and, with that count, reach the kernel as scalar prefetch.
+The grid (S, J) visits slot s, block j: its index maps pick expert slots[s]'s gate block
+(columns j), up block (columns J + j) and down block (rows j), so each active expert's weights
+stream through VMEM once, double-buffered, and no [T, K, D, 2F] gather copy exists. A slot past
+the active count maps to the block the last active step read: Pallas skips the DMA of an
+unchanged block, and the body is skipped too. Per step, over ALL T rows (T is small; the FLOPs
+of rows not routed to the expert are cheaper than gathering them):
+
+    h_TF = silu(x_TD @ gate_Dtf) * (x_TD @ up_Dtf);  c_T = sum_k (ids_TK == e) * w_TK
+    acc_TD += (c_T * h_TF) @ down_tfD            (f32 VMEM scratch; y written at the last step)
+
+Routing (softmax / sigmoid, scaling factors) and shared experts stay outside: the kernel takes
+the combine weights as given. `fused_moe_reference` is the same computation in jnp.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.typing import DTypeLike
+
+from moetext.kernels.pallas import tiling as tiling_lib
+from moetext.kernels.pallas.common import Dimensions, Interpret, Ref, resolve_interpret, round_up
+from moetext.kernels.typed_jax import ShapeDtypeStruct
+
+# Both grid axes accumulate into the one resident output block.
+DIMENSIONS: Dimensions = ("arbitrary", "arbitrary")
+# Double-buffered gate, up and down blocks stay under this many bytes when tf is picked:
+# below v5e's 16 MiB default scoped VMEM with room for x, y and the accumulator.
+WEIGHT_VMEM_BUDGET = 12 * tiling_lib.MiB
+
+
+def default_block_f(d: int, f: int, itemsize: int, budget: int = WEIGHT_VMEM_BUDGET) -> int:
+    """The largest tf dividing F, a multiple of 128 (or F itself), whose double-buffered gate,
+    up and down blocks (3 x 2 x D x tf) fit `budget`; the smallest such tile if none fits."""
+    fits = [t for t in range(f, 0, -1) if f % t == 0 and (t % tiling_lib.LANES == 0 or t == f)]
+    for t in fits:
+        if 6 * d * t * itemsize <= budget:
+            return t
+    return fits[-1]
+
+
+def active_slots(ids_TK: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """(slots_S int32, n_active int32 [1]): the distinct experts of ids_TK in ascending order,
+    padded to S = min(E, T*K) with the last of them (ids outside [0, E) are ignored)."""
+    s = min(num_experts, ids_TK.size)
+    ids = ids_TK.reshape(-1)
+    valid = (ids >= 0) & (ids < num_experts)
+    used_E = (
+        jnp.zeros((num_experts,), jnp.bool_)
+        .at[jnp.where(valid, ids, num_experts)]
+        .set(True, mode="drop")
+    )
+    n = jnp.sum(used_E.astype(jnp.int32))
+    (found_S,) = jnp.nonzero(used_E, size=s, fill_value=0)
+    last = found_S[jnp.maximum(n - 1, 0)]
+    slots_S = jnp.where(jnp.arange(s) < n, found_S, last).astype(jnp.int32)
+    return slots_S, n.reshape(1).astype(jnp.int32)
+
+
+def fused_moe(
+    x_TD: jax.Array,
+    ids_TK: jax.Array,
+    w_TK: jax.Array,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    block_f: int | None = None,
+    out_dtype: DTypeLike | None = None,
+    interpret: Interpret | None = None,
+    chip: str | None = None,
+) -> jax.Array:
+    """y_TD = sum_k w_TK * (SwiGLU expert ids_TK)(x_TD), accumulated in f32, returned as
+    out_dtype (default x's dtype); see the module docstring.
+
+    x_TD is the compute dtype: weight blocks are cast to it in VMEM (f32 params are read as
+    f32, never copied). ids_TK int32 in [0, E); an id outside selects nothing (its weight is
+    dropped). block_f: tf (None: `default_block_f`); on TPU F must be a multiple of 128.
+    interpret / chip as the gmm kernels'."""
+    t, d, e, f = _check(x_TD, ids_TK, w_TK, w_gate_up, w_down)
+    k = ids_TK.shape[1]
+    w_item = max(jnp.dtype(w_gate_up.dtype).itemsize, jnp.dtype(w_down.dtype).itemsize)
+    tf = default_block_f(d, f, w_item) if block_f is None else int(block_f)
+    if tf <= 0 or f % tf or (tf % tiling_lib.LANES and tf != f):
+        raise ValueError(
+            f"fused_moe: block_f={block_f} must divide moe_intermediate_size F={f} and be a "
+            f"multiple of {tiling_lib.LANES} (or F itself)"
+        )
+    chip, interpret = tiling_lib.resolve_chip(chip), resolve_interpret(interpret)
+    if interpret is False and tf % tiling_lib.LANES:
+        # The gate and up blocks are column blocks of [E, D, 2F]: Mosaic needs them 128 wide.
+        raise ValueError(
+            f"fused_moe: moe_intermediate_size F={f} is not a multiple of {tiling_lib.LANES}, "
+            f"which the kernel's gate and up blocks of w_gate_up [E, D, 2F] need on TPU; use "
+            f"kernels.decode_moe=loop"
+        )
+    slots_S, n_S = active_slots(ids_TK, e)
+    s, nf = slots_S.shape[0], f // tf
+    # Rows padded to the sublane tile of x's dtype; padded rows route nowhere (id -1).
+    tp = round_up(t, tiling_lib.sublanes(x_TD.dtype))
+    x_pD = jnp.pad(x_TD, ((0, tp - t), (0, 0)))
+    ids_pK = jnp.pad(ids_TK.astype(jnp.int32), ((0, tp - t), (0, 0)), constant_values=-1)
+    w_pK = jnp.pad(w_TK.astype(jnp.float32), ((0, tp - t), (0, 0)))
+
+    def block(j: jax.Array, s_: jax.Array, n_ref: Ref) -> jax.Array:
+        # A slot past the active count stays on the last active step's block: no new DMA.
+        return jnp.where(s_ < n_ref[0], j, nf - 1)
+
+    def gate_map(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
+        return slots[s_], jnp.int32(0), block(j, s_, n_ref)
+
+    def up_map(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
+        return slots[s_], jnp.int32(0), nf + block(j, s_, n_ref)
+
+    def down_map(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
+        return slots[s_], block(j, s_, n_ref), jnp.int32(0)
+
+    def whole(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
+        return jnp.int32(0), jnp.int32(0)
+
+    in_specs = [
+        pl.BlockSpec((tp, d), whole),
+        pl.BlockSpec((tp, k), whole),
+        pl.BlockSpec((tp, k), whole),
+        pl.BlockSpec((pl.squeezed, d, tf), gate_map),
+        pl.BlockSpec((pl.squeezed, d, tf), up_map),
+        pl.BlockSpec((pl.squeezed, tf, d), down_map),
+    ]
+    y_dtype = jnp.dtype(out_dtype or x_TD.dtype)
+    x_item, y_item = jnp.dtype(x_TD.dtype).itemsize, y_dtype.itemsize
+    # Real work: every slot's blocks multiply all padded rows (at most min(E, T*K) experts).
+    flops = 2 * tp * d * 2 * f * s + 2 * tp * f * d * s
+    cost = pl.CostEstimate(
+        flops=flops,
+        transcendentals=tp * f * s,  # silu's exp
+        bytes_accessed=s * 3 * d * f * w_item + tp * d * (x_item + y_item) + 2 * tp * k * 4,
+    )
+    needed = tiling_lib.vmem_bytes(
+        [(tp, d, x_TD.dtype), (d, tf, w_gate_up.dtype), (d, tf, w_gate_up.dtype)]
+        + [(tf, d, w_down.dtype), (tp, k, jnp.int32), (tp, k, jnp.float32)],
+        (tp, d, y_dtype),
+        (tp, d),
+    )
+    y_pD: jax.Array = pl.pallas_call(
+        functools.partial(_kernel, num_slots=s, num_f=nf),
+        out_shape=ShapeDtypeStruct((tp, d), y_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(s, nf),
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((tp, d), whole),
+            scratch_shapes=[pltpu.VMEM((tp, d), jnp.float32)],
+        ),
+        compiler_params=tiling_lib.compiler_params(
+            "fused_moe", DIMENSIONS, (tp, d, tf), needed, chip
+        ),
+        interpret=interpret,
+        cost_estimate=cost,
+        name="moetext_fused_moe",
+    )(slots_S, n_S, x_pD, ids_pK, w_pK, w_gate_up, w_gate_up, w_down)
+    return y_pD[:t]
+
+
+def _kernel(
+    slots_ref: Ref,
+    n_ref: Ref,
+    x_ref: Ref,
+    ids_ref: Ref,
+    w_ref: Ref,
+    gate_ref: Ref,
+    up_ref: Ref,
+    down_ref: Ref,
+    y_ref: Ref,
+    acc_ref: Ref,
+    *,
+    num_slots: int,
+    num_f: int,
+) -> None:
+    si, j = pl.program_id(0), pl.program_id(1)
+
+    @pl.when((si == 0) & (j == 0))
+    def _() -> None:
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(si < n_ref[0])
+    def _() -> None:
+        x = x_ref[...]
+        e = slots_ref[si]
+        c_T1 = jnp.sum(
+            jnp.where(ids_ref[...] == e, w_ref[...], jnp.zeros((), jnp.float32)),
+            axis=1,
+            keepdims=True,
+        )
+        dims = (((1,), (0,)), ((), ()))
+        g = jax.lax.dot_general(
+            x, gate_ref[...].astype(x.dtype), dims, preferred_element_type=jnp.float32
+        )
+        u = jax.lax.dot_general(
+            x, up_ref[...].astype(x.dtype), dims, preferred_element_type=jnp.float32
+        )
+        h = (c_T1 * (jax.nn.silu(g) * u)).astype(x.dtype)
+        acc_ref[...] += jax.lax.dot_general(
+            h, down_ref[...].astype(x.dtype), dims, preferred_element_type=jnp.float32
+        )
+
+    @pl.when((si == num_slots - 1) & (j == num_f - 1))
+    def _() -> None:
+        y_ref[...] = acc_ref[...].astype(y_ref.dtype)
+
+
+def _check(
+    x_TD: jax.Array,
+    ids_TK: jax.Array,
+    w_TK: jax.Array,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+) -> tuple[int, int, int, int]:
+    """(T, D, E, F) of consistent operands, else a ValueError naming the mismatch."""
+    shapes = (
+        f"x_TD {tuple(x_TD.shape)}, ids_TK {tuple(ids_TK.shape)}, w_TK {tuple(w_TK.shape)}, "
+        f"w_gate_up {tuple(w_gate_up.shape)}, w_down {tuple(w_down.shape)}"
+    )
+    if x_TD.ndim != 2 or ids_TK.ndim != 2 or w_gate_up.ndim != 3 or w_down.ndim != 3:
+        raise ValueError(
+            f"fused_moe: expected x_TD [T, D], ids_TK [T, K], w_gate_up [E, D, 2F], "
+            f"w_down [E, F, D]; got {shapes}"
+        )
+    (t, d), (e, d2, f2) = x_TD.shape, w_gate_up.shape
+    f = f2 // 2
+    problems = []
+    if ids_TK.shape[0] != t or w_TK.shape != ids_TK.shape:
+        problems.append(f"ids_TK and w_TK must both be [T={t}, K]")
+    if d2 != d or f2 % 2:
+        problems.append(f"w_gate_up must be [E, D={d}, 2F] with an even last dim")
+    if w_down.shape != (e, f, d):
+        problems.append(f"w_down must be [E={e}, F={f}, D={d}]")
+    if not jnp.issubdtype(ids_TK.dtype, jnp.integer):
+        problems.append(f"ids_TK must be integer, got {ids_TK.dtype}")
+    if problems:
+        raise ValueError(f"fused_moe: {'; '.join(problems)}; got {shapes}")
+    return t, d, e, f
+
+
+def fused_moe_reference(
+    x_TD: jax.Array,
+    ids_TK: jax.Array,
+    w_TK: jax.Array,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    dtype: DTypeLike | None = None,
+) -> jax.Array:
+    """The kernel's computation in jnp (every expert, dense; tests and non-TPU fallbacks)."""
+    _check(x_TD, ids_TK, w_TK, w_gate_up, w_down)
+    dt = jnp.dtype(dtype or x_TD.dtype)
+    e, f = w_gate_up.shape[0], w_gate_up.shape[2] // 2
+    x = x_TD.astype(dt)
+    gu_TEF2 = jnp.einsum("td,edf->tef", x, w_gate_up.astype(dt), preferred_element_type=jnp.float32)
+    h_TEF = jax.nn.silu(gu_TEF2[..., :f]) * gu_TEF2[..., f:]
+    c_TE = jnp.sum(
+        jax.nn.one_hot(ids_TK, e, dtype=jnp.float32) * w_TK.astype(jnp.float32)[..., None], axis=1
+    )
+    h_TEF = (c_TE[..., None] * h_TEF).astype(dt)
+    y = jnp.einsum("tef,efd->td", h_TEF, w_down.astype(dt), preferred_element_type=jnp.float32)
+    return y.astype(dt)
+
+
+# --- D-split weights (fsdp): two kernels around a psum ----------------------------------------
+#
+# With w_gate_up [E, D/P, 2F] and w_down [E, F, D/P] split along D over P shards, a shard holds
+# a slice of every expert. `fused_gate_up` gives its partial x_TD[:, slice] @ gate / up per
+# active slot ([S, T, F] each, f32); the caller sums them over the D shards (psum) before the
+# SiLU, scales by the combine weights (`slot_weights`), and `fused_down` multiplies h [S, T, F]
+# by the shard's [F, D/P] slab of each active expert: y's D/P columns, no further sum.
+
+
+def fused_gate_up(
+    x_TD: jax.Array,
+    slots_S: jax.Array,
+    n_S: jax.Array,
+    w_gate_up: jax.Array,
+    *,
+    block_f: int | None = None,
+    interpret: Interpret | None = None,
+    chip: str | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """(g_STF, u_STF) f32: x_TD @ gate / up of expert slots_S[s] for s < n_S[0] (zero past
+    it); x_TD [T, D'], w_gate_up [E, D', 2F] (D' = D or a shard's slice of it)."""
+    (t, d), (_, d2, f2) = x_TD.shape, w_gate_up.shape
+    if d2 != d or f2 % 2:
+        raise ValueError(
+            f"fused_gate_up: x_TD {tuple(x_TD.shape)} and w_gate_up {tuple(w_gate_up.shape)} "
+            f"must be [T, D] and [E, D, 2F]"
+        )
+    f = f2 // 2
+    tf, interpret, chip = _resolve(f, d, w_gate_up.dtype, block_f, interpret, chip)
+    s, nf = slots_S.shape[0], f // tf
+    tp = round_up(t, tiling_lib.sublanes(x_TD.dtype))
+    x_pD = jnp.pad(x_TD, ((0, tp - t), (0, 0)))
+
+    def block(j: jax.Array, s_: jax.Array, n_ref: Ref) -> jax.Array:
+        return jnp.where(s_ < n_ref[0], j, nf - 1)
+
+    def gate_map(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
+        return slots[s_], jnp.int32(0), block(j, s_, n_ref)
+
+    def up_map(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
+        return slots[s_], jnp.int32(0), nf + block(j, s_, n_ref)
+
+    def out_map(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
+        return s_, jnp.int32(0), j
+
+    def whole(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
+        return jnp.int32(0), jnp.int32(0)
+
+    w_item = jnp.dtype(w_gate_up.dtype).itemsize
+    out = ShapeDtypeStruct((s, tp, f), jnp.float32)
+    needed = tiling_lib.vmem_bytes(
+        [(tp, d, x_TD.dtype), (d, tf, w_gate_up.dtype), (d, tf, w_gate_up.dtype)],
+        (2 * tp, tf, jnp.float32),
+        (8, tiling_lib.LANES),
+    )
+    g, u = pl.pallas_call(
+        _gate_up_kernel,
+        out_shape=(out, out),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(s, nf),
+            in_specs=[
+                pl.BlockSpec((tp, d), whole),
+                pl.BlockSpec((pl.squeezed, d, tf), gate_map),
+                pl.BlockSpec((pl.squeezed, d, tf), up_map),
+            ],
+            out_specs=[
+                pl.BlockSpec((pl.squeezed, tp, tf), out_map),
+                pl.BlockSpec((pl.squeezed, tp, tf), out_map),
+            ],
+        ),
+        compiler_params=tiling_lib.compiler_params(
+            "fused_gate_up", DIMENSIONS, (tp, d, tf), needed, chip
+        ),
+        interpret=interpret,
+        cost_estimate=pl.CostEstimate(
+            flops=2 * tp * d * 2 * f * s,
+            transcendentals=0,
+            bytes_accessed=s * 2 * d * f * w_item
+            + tp * d * x_TD.dtype.itemsize
+            + 2 * s * tp * f * 4,
+        ),
+        name="moetext_fused_gate_up",
+    )(slots_S, n_S, x_pD, w_gate_up, w_gate_up)
+    return g[:, :t], u[:, :t]
+
+
+def _gate_up_kernel(
+    slots_ref: Ref, n_ref: Ref, x_ref: Ref, gate_ref: Ref, up_ref: Ref, g_ref: Ref, u_ref: Ref
+) -> None:
+    si = pl.program_id(0)
+    active = si < n_ref[0]
+
+    @pl.when(active)
+    def _() -> None:
+        x = x_ref[...]
+        dims = (((1,), (0,)), ((), ()))
+        g_ref[...] = jax.lax.dot_general(
+            x, gate_ref[...].astype(x.dtype), dims, preferred_element_type=jnp.float32
+        )
+        u_ref[...] = jax.lax.dot_general(
+            x, up_ref[...].astype(x.dtype), dims, preferred_element_type=jnp.float32
+        )
+
+    @pl.when(jnp.logical_not(active))
+    def _() -> None:
+        g_ref[...] = jnp.zeros(g_ref.shape, jnp.float32)
+        u_ref[...] = jnp.zeros(u_ref.shape, jnp.float32)
+
+
+def slot_weights(
+    ids_TK: jax.Array, w_TK: jax.Array, slots_S: jax.Array, n_S: jax.Array
+) -> jax.Array:
+    """c_ST f32: the combine weight of slot s's expert for token t (zero past the active
+    count, where slots repeat the last active expert)."""
+    hit_STK = ids_TK[None] == slots_S[:, None, None]
+    c_ST = jnp.sum(jnp.where(hit_STK, w_TK.astype(jnp.float32)[None], 0.0), axis=2)
+    return jnp.where((jnp.arange(slots_S.shape[0]) < n_S[0])[:, None], c_ST, 0.0)
+
+
+def fused_down(
+    h_STF: jax.Array,
+    slots_S: jax.Array,
+    n_S: jax.Array,
+    w_down: jax.Array,
+    *,
+    block_f: int | None = None,
+    out_dtype: DTypeLike = jnp.float32,
+    interpret: Interpret | None = None,
+    chip: str | None = None,
+) -> jax.Array:
+    """y_TD' = sum over active slots s of h_STF[s] @ w_down[slots_S[s]]; w_down [E, F, D']."""
+    (s, t, f), (_, f2, d) = h_STF.shape, w_down.shape
+    if f2 != f or slots_S.shape[0] != s:
+        raise ValueError(
+            f"fused_down: h_STF {tuple(h_STF.shape)}, slots {tuple(slots_S.shape)} and w_down "
+            f"{tuple(w_down.shape)} must be [S, T, F], [S] and [E, F, D]"
+        )
+    tf, interpret, chip = _resolve(f, d, w_down.dtype, block_f, interpret, chip)
+    nf = f // tf
+    tp = round_up(t, tiling_lib.sublanes(h_STF.dtype))
+    h_SpF = jnp.pad(h_STF, ((0, 0), (0, tp - t), (0, 0)))
+
+    def block(j: jax.Array, s_: jax.Array, n_ref: Ref) -> jax.Array:
+        return jnp.where(s_ < n_ref[0], j, nf - 1)
+
+    def h_map(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
+        return s_, jnp.int32(0), block(j, s_, n_ref)
+
+    def down_map(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
+        return slots[s_], block(j, s_, n_ref), jnp.int32(0)
+
+    def whole(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
+        return jnp.int32(0), jnp.int32(0)
+
+    y_dtype = jnp.dtype(out_dtype)
+    needed = tiling_lib.vmem_bytes(
+        [(tp, tf, h_STF.dtype), (tf, d, w_down.dtype)], (tp, d, y_dtype), (tp, d)
+    )
+    y: jax.Array = pl.pallas_call(
+        functools.partial(_down_kernel, num_slots=s, num_f=nf),
+        out_shape=ShapeDtypeStruct((tp, d), y_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(s, nf),
+            in_specs=[
+                pl.BlockSpec((pl.squeezed, tp, tf), h_map),
+                pl.BlockSpec((pl.squeezed, tf, d), down_map),
+            ],
+            out_specs=pl.BlockSpec((tp, d), whole),
+            scratch_shapes=[pltpu.VMEM((tp, d), jnp.float32)],
+        ),
+        compiler_params=tiling_lib.compiler_params(
+            "fused_down", DIMENSIONS, (tp, d, tf), needed, chip
+        ),
+        interpret=interpret,
+        cost_estimate=pl.CostEstimate(
+            flops=2 * tp * f * d * s,
+            transcendentals=0,
+            bytes_accessed=s * f * d * jnp.dtype(w_down.dtype).itemsize
+            + s * tp * f * h_STF.dtype.itemsize
+            + tp * d * y_dtype.itemsize,
+        ),
+        name="moetext_fused_down",
+    )(slots_S, n_S, h_SpF, w_down)
+    return y[:t]
+
+
+def _down_kernel(
+    slots_ref: Ref,
+    n_ref: Ref,
+    h_ref: Ref,
+    down_ref: Ref,
+    y_ref: Ref,
+    acc_ref: Ref,
+    *,
+    num_slots: int,
+    num_f: int,
+) -> None:
+    si, j = pl.program_id(0), pl.program_id(1)
+
+    @pl.when((si == 0) & (j == 0))
+    def _() -> None:
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(si < n_ref[0])
+    def _() -> None:
+        h = h_ref[...]
+        acc_ref[...] += jax.lax.dot_general(
+            h,
+            down_ref[...].astype(h.dtype),
+            (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+
+    @pl.when((si == num_slots - 1) & (j == num_f - 1))
+    def _() -> None:
+        y_ref[...] = acc_ref[...].astype(y_ref.dtype)
+
+
+def _resolve(
+    f: int,
+    d: int,
+    dtype: DTypeLike,
+    block_f: int | None,
+    interpret: Interpret | None,
+    chip: str | None,
+) -> tuple[int, Interpret, str]:
+    """(tf, interpret, chip) of a D-split kernel, checked as `fused_moe` checks them."""
+    tf = default_block_f(d, f, jnp.dtype(dtype).itemsize) if block_f is None else int(block_f)
+    if tf <= 0 or f % tf or (tf % tiling_lib.LANES and tf != f):
+        raise ValueError(
+            f"fused MoE decode: block_f={block_f} must divide moe_intermediate_size F={f} and be "
+            f"a multiple of {tiling_lib.LANES} (or F itself)"
+        )
+    interpret = resolve_interpret(interpret)
+    if interpret is False and tf % tiling_lib.LANES:
+        raise ValueError(
+            f"fused MoE decode: moe_intermediate_size F={f} is not a multiple of "
+            f"{tiling_lib.LANES}, which the kernel's blocks need on TPU; use "
+            f"kernels.decode_moe=loop"
+        )
+    return tf, interpret, tiling_lib.resolve_chip(chip)
+
+
+def split_reference(
+    x_TD: jax.Array,
+    ids_TK: jax.Array,
+    w_TK: jax.Array,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    interpret: Interpret | None = None,
+) -> jax.Array:
+    """fused_gate_up -> SwiGLU x slot weights -> fused_down on one device (no shards: the psum
+    is the identity); what a D shard computes, for tests."""
+    slots_S, n_S = active_slots(ids_TK, w_gate_up.shape[0])
+    g, u = fused_gate_up(x_TD, slots_S, n_S, w_gate_up, interpret=interpret)
+    c_ST = slot_weights(ids_TK, w_TK, slots_S, n_S)
+    h = (c_ST[..., None] * jax.nn.silu(g) * u).astype(x_TD.dtype)
+    return fused_down(h, slots_S, n_S, w_down, out_dtype=x_TD.dtype, interpret=interpret)
