@@ -51,6 +51,10 @@ _NO_BYTES = frozenset(
         "all-reduce-done",
         "collective-permute-done",
         "async-done",
+        # An async call's steps (XLA:TPU offloads gathers, scatters and, on TPU7x, collectives
+        # to the SparseCore this way): its bytes are counted once, at its call-start.
+        "call-update",
+        "call-done",
         "send-done",
         "recv-done",
     }
@@ -296,6 +300,18 @@ def _param_read(
     return min(read, full)
 
 
+def _signature_bytes(comps: dict[str, _Comp], comp: str) -> float:
+    """Bytes of a computation's parameters and result: what an async call of it moves."""
+    c = comps.get(comp)
+    if c is None:
+        return 0.0
+    # Indices >= 0 only: _param_read files its bitcast views under negative ones.
+    names = [n for i, n in c.params.items() if i >= 0 and n in c.instrs]
+    params = sum(hlo.array_bytes(c.instrs[n].shape)[0] for n in names)
+    root = c.instrs.get(c.root) if c.root else None
+    return params + (hlo.array_bytes(root.shape)[0] if root else 0.0)
+
+
 def _written(comps: dict[str, _Comp], comp: str, shape: str) -> float:
     """Bytes a fusion writes: its result, but only the update of a dynamic-update-slice (in
     place) among its root's outputs."""
@@ -376,6 +392,9 @@ def _module_cost(hlo_text: str) -> HloCost:
             moved = 2 * hlo.array_bytes(_shape_of(shapes, ins.operands[0]))[0]
         elif ins.op in ("dynamic-slice", "slice"):  # reads the slice, writes it
             moved = 2 * hlo.array_bytes(ins.shape)[0]
+        elif ins.op == "call-start" and (applied := _TO_APPLY_RE.search(ins.line)):
+            # The wrapped computation reads its parameters and writes its result, once.
+            moved = _signature_bytes(comps, applied.group(1))
         elif ins.op == "slice-start" and ins.shape.startswith("("):
             # Async slice ((operand), slice, context): reads and writes the slice only (XLA:TPU
             # prefetches a weight into VMEM in such chunks), not the whole operand per chunk.

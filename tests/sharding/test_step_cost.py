@@ -126,3 +126,30 @@ def test_conditional_branches_count_as_run(args):
 
     c = _compile(f, args)
     assert hlo_cost.hlo_cost(c.as_text()).flops == 2 * M * K * K * L
+
+
+# XLA:TPU runs some ops as async calls (gathers offloaded to the SparseCore on v5p; on TPU7x the
+# collectives too): call-start, call-update(s), call-done. The wrapped computation reads its
+# parameter and writes its result once (f32[4,8] in, f32[16,8] out: 128 + 512 bytes); the
+# update and done steps, whose shapes repeat those buffers, add nothing.
+ASYNC_CALL_HLO = """\
+HloModule jit_async_call
+
+%called_computation.1 (param_0.1: f32[4,8]) -> f32[16,8] {
+  %param_0.1 = f32[4,8]{1,0} parameter(0)
+  ROOT %all-gather.1 = f32[16,8]{1,0} all-gather(%param_0.1), replica_groups={{0,1,2,3}}, \
+dimensions={0}
+}, execution_thread="sparsecore"
+
+ENTRY %main (a: f32[4,8]) -> f32[16,8] {
+  %a = f32[4,8]{1,0} parameter(0)
+  %cs = ((f32[4,8]{1,0}), f32[16,8]{1,0}) call-start(%a), async_execution_thread="sparsecore", \
+to_apply=%called_computation.1
+  %cu = ((f32[4,8]{1,0}), f32[16,8]{1,0}) call-update(%cs)
+  ROOT %cd = f32[16,8]{1,0} call-done(%cu)
+}
+"""
+
+
+def test_async_call_bytes_count_once():
+    assert hlo_cost.hlo_cost(ASYNC_CALL_HLO).hbm_bytes == 4 * 8 * 4 + 16 * 8 * 4
