@@ -163,12 +163,9 @@ def _device(chip: str):
     return tpu_devices(TOPOLOGY_BY_CHIP[chip])[0]
 
 
-@pytest.mark.tpu_aot
-@pytest.mark.parametrize("rows", [1, 64])
-@pytest.mark.parametrize("chip", ["v5e", "v6e", "v5p"])
-def test_compiles_with_mosaic_for_tpu(chip, rows):
-    # Qwen3-30B-A3B's layer: D=2048, F=768, E=128, K=8, bf16.
-    d, f, e, k = 2048, 768, 128, 8
+def _layer_args(chip, rows, d, f, e, k):
+    """Abstract bf16 operands of fused_moe / split_reference on one `chip` device: x, ids,
+    combine weights, w_gate_up, w_down."""
     sharding = SingleDeviceSharding(_device(chip))
     shapes = [
         ((rows, d), jnp.bfloat16),
@@ -177,7 +174,16 @@ def test_compiles_with_mosaic_for_tpu(chip, rows):
         ((e, d, 2 * f), jnp.bfloat16),
         ((e, f, d), jnp.bfloat16),
     ]
-    args = [jax.ShapeDtypeStruct(s, dt, sharding=sharding) for s, dt in shapes]
+    return [jax.ShapeDtypeStruct(s, dt, sharding=sharding) for s, dt in shapes]
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("rows", [1, 64])
+@pytest.mark.parametrize("chip", ["v5e", "v6e", "v5p"])
+def test_compiles_with_mosaic_for_tpu(chip, rows):
+    # Qwen3-30B-A3B's layer: D=2048, F=768, E=128, K=8, bf16.
+    d, f, e, k = 2048, 768, 128, 8
+    args = _layer_args(chip, rows, d, f, e, k)
     with target.compiling_for(chip):
         compiled = jax.jit(md.fused_moe).lower(*args).compile()
     text = compiled.as_text()
@@ -195,15 +201,7 @@ def test_compiles_with_mosaic_for_tpu(chip, rows):
 def test_d_split_kernels_compile_with_mosaic_for_tpu(chip):
     # One fsdp-8 shard of Qwen3-30B-A3B's layer: D / 8 = 256 columns of every expert, 8 rows.
     d, f, e, k, rows = 256, 768, 128, 8, 8
-    sharding = SingleDeviceSharding(_device(chip))
-    shapes = [
-        ((rows, d), jnp.bfloat16),
-        ((rows, k), jnp.int32),
-        ((rows, k), jnp.float32),
-        ((e, d, 2 * f), jnp.bfloat16),
-        ((e, f, d), jnp.bfloat16),
-    ]
-    args = [jax.ShapeDtypeStruct(s, dt, sharding=sharding) for s, dt in shapes]
+    args = _layer_args(chip, rows, d, f, e, k)
     with target.compiling_for(chip):
         compiled = jax.jit(md.split_reference).lower(*args).compile()
     text = compiled.as_text()

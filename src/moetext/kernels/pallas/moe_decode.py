@@ -26,6 +26,7 @@ the combine weights as given. `fused_moe_reference` is the same computation in j
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -190,6 +191,41 @@ def _kernel(
     num_slots: int,
     num_f: int,
 ) -> None:
+    def contribution(si: jax.Array) -> jax.Array:
+        x = x_ref[...]
+        e = slots_ref[si]
+        c_T1 = jnp.sum(
+            jnp.where(ids_ref[...] == e, w_ref[...], jnp.zeros((), jnp.float32)),
+            axis=1,
+            keepdims=True,
+        )
+        g = _matmul(x, gate_ref[...])
+        u = _matmul(x, up_ref[...])
+        h = (c_T1 * (jax.nn.silu(g) * u)).astype(x.dtype)
+        return _matmul(h, down_ref[...])
+
+    _accumulate_slots(n_ref, acc_ref, y_ref, contribution, num_slots=num_slots, num_f=num_f)
+
+
+def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a @ b with b in a's dtype, accumulated in f32 (the MXU's native accumulation)."""
+    return jax.lax.dot_general(
+        a, b.astype(a.dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+    )
+
+
+def _accumulate_slots(
+    n_ref: Ref,
+    acc_ref: Ref,
+    y_ref: Ref,
+    contribution: Callable[[jax.Array], jax.Array],
+    *,
+    num_slots: int,
+    num_f: int,
+) -> None:
+    """The (slot, F block) grid's skeleton: zero the f32 accumulator at the first step, add
+    `contribution(slot)` at every step of an active slot (slot < n), write y at the last step
+    (program ids are read here, outside the conditional bodies, as interpret mode needs)."""
     si, j = pl.program_id(0), pl.program_id(1)
 
     @pl.when((si == 0) & (j == 0))
@@ -198,24 +234,7 @@ def _kernel(
 
     @pl.when(si < n_ref[0])
     def _() -> None:
-        x = x_ref[...]
-        e = slots_ref[si]
-        c_T1 = jnp.sum(
-            jnp.where(ids_ref[...] == e, w_ref[...], jnp.zeros((), jnp.float32)),
-            axis=1,
-            keepdims=True,
-        )
-        dims = (((1,), (0,)), ((), ()))
-        g = jax.lax.dot_general(
-            x, gate_ref[...].astype(x.dtype), dims, preferred_element_type=jnp.float32
-        )
-        u = jax.lax.dot_general(
-            x, up_ref[...].astype(x.dtype), dims, preferred_element_type=jnp.float32
-        )
-        h = (c_T1 * (jax.nn.silu(g) * u)).astype(x.dtype)
-        acc_ref[...] += jax.lax.dot_general(
-            h, down_ref[...].astype(x.dtype), dims, preferred_element_type=jnp.float32
-        )
+        acc_ref[...] += contribution(si)
 
     @pl.when((si == num_slots - 1) & (j == num_f - 1))
     def _() -> None:
@@ -373,14 +392,8 @@ def _gate_up_kernel(
 
     @pl.when(active)
     def _() -> None:
-        x = x_ref[...]
-        dims = (((1,), (0,)), ((), ()))
-        g_ref[...] = jax.lax.dot_general(
-            x, gate_ref[...].astype(x.dtype), dims, preferred_element_type=jnp.float32
-        )
-        u_ref[...] = jax.lax.dot_general(
-            x, up_ref[...].astype(x.dtype), dims, preferred_element_type=jnp.float32
-        )
+        g_ref[...] = _matmul(x_ref[...], gate_ref[...])
+        u_ref[...] = _matmul(x_ref[...], up_ref[...])
 
     @pl.when(jnp.logical_not(active))
     def _() -> None:
@@ -477,25 +490,14 @@ def _down_kernel(
     num_slots: int,
     num_f: int,
 ) -> None:
-    si, j = pl.program_id(0), pl.program_id(1)
-
-    @pl.when((si == 0) & (j == 0))
-    def _() -> None:
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-    @pl.when(si < n_ref[0])
-    def _() -> None:
-        h = h_ref[...]
-        acc_ref[...] += jax.lax.dot_general(
-            h,
-            down_ref[...].astype(h.dtype),
-            (((1,), (0,)), ((), ())),
-            preferred_element_type=jnp.float32,
-        )
-
-    @pl.when((si == num_slots - 1) & (j == num_f - 1))
-    def _() -> None:
-        y_ref[...] = acc_ref[...].astype(y_ref.dtype)
+    _accumulate_slots(
+        n_ref,
+        acc_ref,
+        y_ref,
+        lambda _: _matmul(h_ref[...], down_ref[...]),
+        num_slots=num_slots,
+        num_f=num_f,
+    )
 
 
 def _resolve(
