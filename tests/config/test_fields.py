@@ -88,6 +88,7 @@ RESUME_SAFE = {
     "model.remat_policy",
     "model.attention_kernel",
     "model.loss_chunk_size",
+    "model.loss_chunks",
     *(
         f"kernels.{k}"
         for k in (

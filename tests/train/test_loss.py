@@ -1,5 +1,6 @@
-"""The fused, vocab-chunked LM head + cross-entropy (train/loss.py) against a float64 oracle, the
-logits path on a real model, a 40-step training run, and an 8-device mesh.
+"""The fused LM head + cross-entropy (program/loss.py), over vocab chunks and over token chunks,
+against a float64 oracle, the logits path on a real model, a 40-step training run, and an
+8-device mesh.
 
 Legend: T tokens, D emb_dim, V vocab.
 """
@@ -17,7 +18,16 @@ from fake_devices import run_worker
 from moetext import config, models, program
 from moetext import data as data_lib
 from moetext.data.batch import from_tokens, target_mask
-from moetext.program.loss import chunking, fused_masked_nll, lm_head_nll, masked_nll
+from moetext.kernels.pallas.target import compiling_for
+from moetext.program import loss as loss_lib
+from moetext.program.loss import (
+    chunking,
+    fused_masked_nll,
+    lm_head_nll,
+    masked_nll,
+    resolve_chunks,
+    token_chunked_nll,
+)
 from moetext.program.step import make_loss_fn
 
 REPO = Path(__file__).resolve().parents[2]
@@ -105,7 +115,12 @@ _value_and_grad = jax.jit(jax.value_and_grad(_fused, argnums=(0, 1)), static_arg
 def test_loss_and_gradients_match_the_float64_oracle(shape, dtype):
     t, d, v, chunk = shape
     h, w, targets, mask = _inputs(t, d, v, dtype)
-    loss, (dh, dw) = _value_and_grad(h, w, targets, mask, chunk)
+    _check_against_oracle(_value_and_grad(h, w, targets, mask, chunk), h, w, targets, mask)
+
+
+def _check_against_oracle(result, h, w, targets, mask):
+    loss, (dh, dw) = result
+    dtype = h.dtype
     assert dh.dtype == h.dtype and dw.dtype == w.dtype and loss.dtype == jnp.float32
     # The oracle sees the very values the kernel got (bf16 inputs upcast exactly).
     ref_loss, ref_dh, ref_dw, ref_dlogits = _reference(
@@ -135,6 +150,45 @@ def test_loss_and_gradients_match_the_float64_oracle(shape, dtype):
         assert np.all(np.abs(got - ref) <= bound), np.max(np.abs(got - ref) / bound)
 
 
+def _tokens(h_TD, w_VD, targets_T, mask_T):
+    return token_chunked_nll(h_TD, w_VD, targets_T, mask_T)
+
+
+# (T, D, V, tokens per chunk): one chunk; even chunks; padded chunks (33 = 3 x 11, 7 of 4 x 2);
+# a chunk of one token.
+TOKEN_SHAPES = [(16, 8, 64, 16), (16, 8, 64, 4), (33, 16, 211, 12), (7, 4, 13, 2), (8, 4, 13, 1)]
+
+
+@pytest.mark.parametrize("shape", TOKEN_SHAPES, ids=lambda s: "T{}-D{}-V{}-t{}".format(*s))
+@pytest.mark.parametrize(
+    ("dtype", "upcast"),
+    [(jnp.float32, False), (jnp.bfloat16, False), (jnp.bfloat16, True)],
+    ids=["f32", "bf16", "bf16-upcast"],
+)
+def test_token_chunks_match_the_float64_oracle(shape, dtype, upcast, monkeypatch):
+    # The gradient formed in the forward, per chunk of tokens over the whole vocabulary: the
+    # same oracle and bounds as the vocab chunks (dlogits rounded to bf16 once, each result once;
+    # upcast: the bf16 operands widened to f32 first, which changes no product).
+    t, d, v, per_chunk = shape
+    monkeypatch.setattr(loss_lib, "TOKEN_CHUNK_LOGITS_BYTES", per_chunk * v * 4)
+    monkeypatch.setattr(loss_lib, "upcast_bf16_dots", lambda dtype: upcast)
+    h, w, targets, mask = _inputs(t, d, v, dtype)
+    result = jax.jit(jax.value_and_grad(_tokens, argnums=(0, 1)))(h, w, targets, mask)
+    _check_against_oracle(result, h, w, targets, mask)
+    # Without differentiation the primal (one matmul per chunk) gives the same value.
+    assert float(jax.jit(_tokens)(h, w, targets, mask)) == pytest.approx(float(result[0]), rel=1e-6)
+
+
+def test_token_chunks_are_the_cpu_default_and_never_compiled_for_a_tpu():
+    assert jax.default_backend() == "cpu"
+    assert resolve_chunks("auto") == "tokens" and resolve_chunks("vocab") == "vocab"
+    with compiling_for("v5p"):
+        assert resolve_chunks("auto") == "vocab" and resolve_chunks("tokens") == "tokens"
+        assert not loss_lib.upcast_bf16_dots(jnp.bfloat16)  # TPU code keeps bf16 operands
+    with pytest.raises(ValueError, match="auto, vocab, tokens; got 'token'"):
+        resolve_chunks("token")
+
+
 def test_masked_tokens_get_no_gradient_and_the_forward_alone_matches():
     h, w, targets, mask = _inputs(24, 16, 211, jnp.float32)
     loss, (dh, _) = _value_and_grad(h, w, targets, mask, 50)
@@ -154,6 +208,10 @@ def test_bad_shapes_and_dtypes_are_named():
         chunking(13, 0)
     with pytest.raises(ValueError, match=r"only D \(dim 1\) of the head can be gathered"):
         lm_head_nll(h, w, targets, 4, ((0, ("fsdp",)),))
+    with pytest.raises(ValueError, match="must be \\[T, D\\], \\[V, D\\] of one dtype"):
+        token_chunked_nll(h, w.astype(jnp.bfloat16), targets, mask)
+    with pytest.raises(ValueError, match=r"weights \(7,\) must be \[8\]"):
+        token_chunked_nll(h, w, targets, mask[:7])
 
 
 def test_the_fused_loss_never_holds_the_full_logits():
@@ -198,10 +256,10 @@ def test_fused_loss_equals_the_logits_path_on_a_model():
     # tiny-qwen3-moe computes in float32, so both paths run the same f32 products and differ
     # only in summation order (per-chunk logsumexp and dW, chunked dh); measured 7.6e-8
     # relative (loss) and 9.1e-7 of each gradient's largest entry. Bounds: 2e-6 and 1e-5.
-    # chunk 100 of V = 512: 8 chunks of 64 rows.
+    # chunk 100 of V = 512: 8 chunks of 64 rows; token chunks: one chunk of the 64 tokens.
     results = {}
-    for chunk in (100, 0):
-        cfg = _tiny([f"model.loss_chunk_size={chunk}"])
+    for chunk, by in ((100, "vocab"), (100, "tokens"), (0, "auto")):
+        cfg = _tiny([f"model.loss_chunk_size={chunk}", f"model.loss_chunks={by}"])
         b = program.build(cfg, jax.devices()[:1])
         tokens = np.random.default_rng(0).integers(0, 512, (4, 17)).astype(np.int32)
         batch = from_tokens(tokens)
@@ -210,20 +268,22 @@ def test_fused_loss_equals_the_logits_path_on_a_model():
         batch["segment_ids"][1, 12:] = 0
         grad_fn = jax.jit(jax.value_and_grad(make_loss_fn(b.graphdef, b.rest), has_aux=True))
         (loss, (ce, _, nll_sum, count)), grads = grad_fn(b.state.params, batch)
-        results[chunk] = (float(loss), float(ce), float(count), jax.device_get(grads))
-    fused, plain = results[100], results[0]
-    assert fused[2] == plain[2] == 4 * 16 - 1 - 5  # the segment boundary and 5 padding targets
-    assert fused[0] == pytest.approx(plain[0], rel=2e-6)
-    assert fused[1] == pytest.approx(plain[1], rel=2e-6)
-    errs = jax.tree.map(
-        lambda a, b: float(np.max(np.abs(a - b)) / np.max(np.abs(b))), fused[3], plain[3]
-    )
-    assert max(jax.tree.leaves(errs)) <= 1e-5, errs
+        results[by] = (float(loss), float(ce), float(count), jax.device_get(grads))
+    plain = results["auto"]
+    for fused in (results["vocab"], results["tokens"]):
+        assert fused[2] == plain[2] == 4 * 16 - 1 - 5  # the segment boundary, 5 padding targets
+        assert fused[0] == pytest.approx(plain[0], rel=2e-6)
+        assert fused[1] == pytest.approx(plain[1], rel=2e-6)
+        errs = jax.tree.map(
+            lambda a, b: float(np.max(np.abs(a - b)) / np.max(np.abs(b))), fused[3], plain[3]
+        )
+        assert max(jax.tree.leaves(errs)) <= 1e-5, errs
 
 
 def test_training_loss_curve_is_unchanged_by_the_fused_loss():
     # The README's tiny config (packed real text, so masked targets), 40 steps of the trainer's
-    # own jitted step from the same initial state and batches: fused loss (8 chunks) vs logits.
+    # own jitted step from the same initial state and batches: the fused loss as CPU runs it
+    # (model.loss_chunks=auto: token chunks) vs logits.
     # float32 compute, so the runs differ by summation order only, which 40 AdamW steps grow to
     # measured 2.1e-5 relative (the largest over the 40 losses). Bound: 1e-4.
     cfg = config.load(TINY, [*QUIET, "train.steps=40", "model.loss_chunk_size=100"])
@@ -251,7 +311,9 @@ def test_sharded_fused_loss_matches_the_one_device_logits_loss():
     r = run_worker("tests.train.loss_sharded_worker", timeout_s=1500)
     # fsdp_split-fused-v500: the head gathered per chunk in a shard_map (split_dense_gathers),
     # 4 chunks of 128 rows for V = 500, against the one-device logits loss at V = 500.
+    # fsdp_tp-tokens: token chunks with the head split over vocab (tensor) and fsdp.
     assert set(r) == {"single-logits", "fsdp-fused", "fsdp_tp-logits", "fsdp_tp-fused"} | {
+        "fsdp_tp-tokens",
         "single-logits-v500",
         "fsdp_split-fused-v500",
     }, sorted(r)

@@ -81,6 +81,13 @@ class ModelConfig:
     """Training/eval loss: LM head fused with the cross-entropy over vocab chunks of at most this
     many rows (with sharding.split_dense_gathers on a split mesh: a multiple of 128, at least
     128), never holding the [B*S, V] float32 logits (train/loss.py); 0: full logits."""
+    loss_chunks: Literal["auto", "vocab", "tokens"] = resume_safe("auto")
+    """How the fused loss (loss_chunk_size > 0) chunks: vocab (chunks of loss_chunk_size vocab
+    rows, the backward recomputes their logits: four head matmuls), tokens (chunks of up to 64
+    MiB of float32 logits over the whole vocabulary, the gradient formed in the forward: three
+    head matmuls and a [V, D] float32 gradient held until the backward; not under
+    split_dense_gathers), auto: tokens when the step runs on a CPU, else vocab
+    (program/loss.py)."""
 
     def __post_init__(self) -> None:
         _positive(

@@ -7,7 +7,8 @@ Subpackages, each importing only those before it: `pallas` (Pallas TPU kernel bo
 tilings), `gmm` (the GmmBackend and Recipe protocols, the GmmCall spec, the Gmm op, backends),
 `quant` (quantization recipes, one file each, and the FP8 numerics they run on). Modules:
 `typed_jax` (annotated jax entry points), `fp8_scaling` (the FP8 scale rule every quantizer
-shares), `activations` (SwiGLU), `build` (`build_gmm`).
+shares), `activations` (SwiGLU), `build` (`build_gmm`), `host_dots` (whether a CPU matmul
+widens bfloat16 operands: CPUs without bfloat16 dot instructions).
 """
 
 from moetext.kernels.build import build_gmm

@@ -90,10 +90,13 @@ class HiddenStatesLM(CausalLM, Protocol):
     hidden_states returns (x_BSD, aux): `__call__` before its LM head, so the logits are
     x_BSD @ head_VD().T (x_BSD in the compute dtype, head_VD() [V, D] in any float dtype);
     loss_chunk_size is the most vocab rows per chunk of the fused loss (program/loss.py), 0 to
-    compute the loss from the logits."""
+    compute the loss from the logits; loss_chunks how it chunks (auto, vocab, tokens)."""
 
     @property
     def loss_chunk_size(self) -> int: ...
+
+    @property
+    def loss_chunks(self) -> str: ...
 
     def hidden_states(
         self,

@@ -6,6 +6,7 @@ per chunk (N * C >= V).
     nll_sum, count = masked_nll(logits_BSV, targets_BS, mask_BS)          # the logits path
     nll_sum, count = logits_masked_nll(h_BSD, head_VD, targets_BS, mask_BS)  # the same, from h
     nll_sum, count = fused_masked_nll(h_BSD, head_VD, targets_BS, mask_BS, chunk_size=2048)
+    nll_sum, count = fused_masked_nll(..., chunk_size=2048, chunks="tokens")  # token chunks
 
 `fused_masked_nll` takes the final hidden states (after the final norm) and the LM head's
 weight instead of the logits, and never holds [T, V]: `lm_head_nll` loops (lax.scan) over N
@@ -17,6 +18,12 @@ logits and forms dlogits = (softmax - onehot) * dnll, accumulates dh [T, D] in f
 writes the chunk's rows of dW. So the largest temporaries are [T, C], not the [T, V] float32
 logits and log-softmax (plus their gradient) of the logits path. The price is one more
 [T, D] x [D, V] matmul (the backward recomputes the logits): 4 head matmuls instead of 3.
+
+`chunks="tokens"` (`token_chunked_nll`, model.loss_chunks' CPU default) loops over chunks of
+tokens against the whole vocabulary instead and forms the gradient in the forward: 3 head
+matmuls, a [V, D] float32 gradient kept until the backward (its docstring says when to use it).
+On a CPU without bfloat16 dot instructions every head matmul widens its operands to float32
+(kernels/host_dots.py), the same products and float32 sums, faster there.
 
 Numerics: every matmul takes h and the head in the compute dtype (h's dtype; the head is cast
 to it, as the model's own head einsum does) and accumulates and returns float32
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -50,11 +58,35 @@ from moetext.kernels.gmm.gather import (
     gathered_shape,
     psum_scatter_dims,
 )
+from moetext.kernels.host_dots import upcast_bf16_dots
+from moetext.kernels.pallas import target
 from moetext.sharding import fsdp
 from moetext.sharding.logical import constrain
 
 F32 = jnp.float32
 HEAD_NAMES = ("vocab", "embed")  # the LM head's (and a tied embedding's) logical axes
+# The token path's float32 logits per chunk: tokens per chunk = this / (4 V), 512 for V = 32000.
+TOKEN_CHUNK_LOGITS_BYTES = 64 * 2**20
+
+
+def resolve_chunks(chunks: str) -> Literal["vocab", "tokens"]:
+    """model.loss_chunks: "auto" is "tokens" when the step runs on this process's CPU (not on,
+    nor compiled ahead of time for, an accelerator), else "vocab"."""
+    if chunks not in ("auto", "vocab", "tokens"):
+        raise ValueError(f"loss chunks must be one of auto, vocab, tokens; got {chunks!r}")
+    if chunks == "auto":
+        cpu = not target.tpu_code() and jax.default_backend() == "cpu"
+        return "tokens" if cpu else "vocab"
+    return "tokens" if chunks == "tokens" else "vocab"
+
+
+def _dot(a: jax.Array, b: jax.Array, contract: tuple[int, int], upcast: bool) -> jax.Array:
+    """a . b over (a's dim, b's dim), float32 out; upcast: the operands widened to float32
+    first (kernels/host_dots.py: a CPU without bfloat16 dots)."""
+    if upcast:
+        a, b = a.astype(F32), b.astype(F32)
+    dims = (((contract[0],), (contract[1],)), ((), ()))
+    return lax.dot_general(a, b, dims, preferred_element_type=F32)
 
 
 def masked_nll(
@@ -85,8 +117,10 @@ def fused_masked_nll(
     mask_BS: jax.Array,
     *,
     chunk_size: int,
+    chunks: str = "vocab",
 ) -> tuple[jax.Array, jax.Array]:
-    """masked_nll of the logits h_BSD @ head_VD.T, computed chunk by chunk (`lm_head_nll`).
+    """masked_nll of the logits h_BSD @ head_VD.T, computed chunk by chunk: over vocab chunks
+    (`lm_head_nll`) or over token chunks (`token_chunked_nll`), by `chunks` (`resolve_chunks`).
 
     h_BSD: the final norm's output in the compute dtype; head_VD: the LM head (any float dtype,
     cast to h's like the model's head einsum); chunk_size: the most vocab rows per chunk."""
@@ -100,8 +134,12 @@ def fused_masked_nll(
     # B * S flattened batch-major: the token axis keeps the batch's sharding.
     h_TD = constrain(h_BSD.reshape(b * s, d), ("batch", "embed"))
     w_VD, targets_T = head_VD.astype(h_BSD.dtype), targets_BS.reshape(b * s)
+    mask_T = mask_BS.reshape(b * s).astype(F32)
     plan = fsdp.plan_for(head_VD, HEAD_NAMES)
-    if plan is None or any(dim != 1 for dim, _ in plan.gather):
+    split = plan is not None and all(dim == 1 for dim, _ in plan.gather)
+    if not split and resolve_chunks(chunks) == "tokens":
+        return token_chunked_nll(h_TD, w_VD, targets_T, mask_T), jnp.sum(mask_T)
+    if plan is None or not split:
         nll_T = lm_head_nll(h_TD, w_VD, targets_T, chunk_size)
     else:  # sharding.split_dense_gathers on a split mesh: per token shard (sharding/fsdp.py)
         # The head is cast first, as on the path above, so its chunks' gradients are
@@ -115,7 +153,6 @@ def fused_masked_nll(
             out_specs=plan.tokens,
             check_vma=False,  # the specs state the replication exactly (as in layers/project.py)
         )(h_TD, w_VD, targets_T)
-    mask_T = mask_BS.reshape(b * s).astype(F32)
     return jnp.sum(nll_T * mask_T), jnp.sum(mask_T)
 
 
@@ -176,7 +213,8 @@ def lm_head_nll(
             f"lm_head_nll: targets must be integer [{h_TD.shape[0]}], got "
             f"{targets_T.dtype}{targets_T.shape}"
         )
-    nll_T: jax.Array = _nll(chunk_size, gather, h_TD, w_VD, targets_T)
+    upcast = upcast_bf16_dots(h_TD.dtype)
+    nll_T: jax.Array = _nll(chunk_size, gather, upcast, h_TD, w_VD, targets_T)
     return nll_T
 
 
@@ -189,7 +227,7 @@ def _chunked(w_VD: jax.Array, n: int, c: int) -> jax.Array:
 
 
 def _chunk_logits(
-    h_TD: jax.Array, w_CND: jax.Array, j: jax.Array, vocab: int, gather: Gather
+    h_TD: jax.Array, w_CND: jax.Array, j: jax.Array, vocab: int, gather: Gather, upcast: bool
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(w_CD, logits_TC float32, ids_C) of chunk j (w_CD gathered along `gather`); padded
     rows' logits are -inf."""
@@ -199,7 +237,7 @@ def _chunk_logits(
         w_CD = all_gather_dims(w_CD, gather)
     else:
         w_CD = constrain(w_CD, ("vocab", "embed"))
-    logits_TC = lax.dot_general(h_TD, w_CD, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+    logits_TC = _dot(h_TD, w_CD, (1, 1), upcast)
     if not gather:
         logits_TC = constrain(logits_TC, ("batch", "vocab"))
     ids_C = jnp.arange(c, dtype=jnp.int32) * n + j
@@ -209,7 +247,12 @@ def _chunk_logits(
 
 
 def _logsumexp_and_target(
-    h_TD: jax.Array, w_VD: jax.Array, targets_T: jax.Array, chunk_size: int, gather: Gather
+    h_TD: jax.Array,
+    w_VD: jax.Array,
+    targets_T: jax.Array,
+    chunk_size: int,
+    gather: Gather,
+    upcast: bool,
 ) -> tuple[jax.Array, jax.Array]:
     """(lse_T, target logit_T), float32, one vocab chunk at a time."""
     (t, _), vocab = h_TD.shape, w_VD.shape[0]
@@ -220,7 +263,7 @@ def _logsumexp_and_target(
         carry: tuple[jax.Array, jax.Array, jax.Array], j: jax.Array
     ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], None]:
         max_T, sum_T, target_T = carry
-        _, logits_TC, ids_C = _chunk_logits(h_TD, w_CND, j, vocab, gather)
+        _, logits_TC, ids_C = _chunk_logits(h_TD, w_CND, j, vocab, gather, upcast)
         new_max_T = jnp.maximum(max_T, jnp.max(logits_TC, axis=1))
         # Every chunk has a valid row, so new_max_T is finite and exp(-inf - new_max) = 0.
         sum_T = sum_T * jnp.exp(max_T - new_max_T) + jnp.sum(
@@ -235,25 +278,35 @@ def _logsumexp_and_target(
     return max_T + jnp.log(sum_T), target_T
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _nll(
-    chunk_size: int, gather: Gather, h_TD: jax.Array, w_VD: jax.Array, targets_T: jax.Array
+    chunk_size: int,
+    gather: Gather,
+    upcast: bool,
+    h_TD: jax.Array,
+    w_VD: jax.Array,
+    targets_T: jax.Array,
 ) -> jax.Array:
-    return _nll_fwd(chunk_size, gather, h_TD, w_VD, targets_T)[0]
+    return _nll_fwd(chunk_size, gather, upcast, h_TD, w_VD, targets_T)[0]
 
 
 Residuals = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
 
 
 def _nll_fwd(
-    chunk_size: int, gather: Gather, h_TD: jax.Array, w_VD: jax.Array, targets_T: jax.Array
+    chunk_size: int,
+    gather: Gather,
+    upcast: bool,
+    h_TD: jax.Array,
+    w_VD: jax.Array,
+    targets_T: jax.Array,
 ) -> tuple[jax.Array, Residuals]:
-    lse_T, target_T = _logsumexp_and_target(h_TD, w_VD, targets_T, chunk_size, gather)
+    lse_T, target_T = _logsumexp_and_target(h_TD, w_VD, targets_T, chunk_size, gather, upcast)
     return lse_T - target_T, (h_TD, w_VD, targets_T, lse_T)
 
 
 def _nll_bwd(
-    chunk_size: int, gather: Gather, res: Residuals, dnll_T: jax.Array
+    chunk_size: int, gather: Gather, upcast: bool, res: Residuals, dnll_T: jax.Array
 ) -> tuple[jax.Array, jax.Array, None]:
     h_TD, w_VD, targets_T, lse_T = res
     (t, d), (vocab, d_w) = h_TD.shape, w_VD.shape
@@ -262,28 +315,22 @@ def _nll_bwd(
     dnll_T = dnll_T.astype(F32)
 
     def body(dh_TD: jax.Array, j: jax.Array) -> tuple[jax.Array, jax.Array]:
-        w_CD, logits_TC, ids_C = _chunk_logits(h_TD, w_CND, j, vocab, gather)
+        w_CD, logits_TC, ids_C = _chunk_logits(h_TD, w_CND, j, vocab, gather, upcast)
         hit_TC = ids_C[None, :] == targets_T[:, None]
         dlogits_TC = (jnp.exp(logits_TC - lse_T[:, None]) - hit_TC) * dnll_T[:, None]
         dlogits_TC = dlogits_TC.astype(h_TD.dtype)
         if not gather:
             dlogits_TC = constrain(dlogits_TC, ("batch", "vocab"))
-        dh_TD = dh_TD + lax.dot_general(
-            dlogits_TC, w_CD, (((1,), (0,)), ((), ())), preferred_element_type=F32
-        )
+        dh_TD = dh_TD + _dot(dlogits_TC, w_CD, (1, 0), upcast)
         if gather:
             # This shard's tokens' part -> the sum over shards of this shard's slice. Computed
             # as [D, C] and scattered along D as the major dim: scattered along the minor dim
             # of a row-major [C, D], XLA:TPU runs each stage as an all-reduce of the whole
             # chunk and a slice (docs/performance.md, "Dense weights gathered one split axis
             # at a time").
-            dw_DC = lax.dot_general(
-                h_TD, dlogits_TC, (((0,), (0,)), ((), ())), preferred_element_type=F32
-            )
+            dw_DC = _dot(h_TD, dlogits_TC, (0, 0), upcast)
             return dh_TD, psum_scatter_dims(dw_DC.astype(w_VD.dtype), _transposed(gather))
-        dw_CD = lax.dot_general(
-            dlogits_TC, h_TD, (((0,), (0,)), ((), ())), preferred_element_type=F32
-        )
+        dw_CD = _dot(dlogits_TC, h_TD, (0, 0), upcast)
         return dh_TD, constrain(dw_CD.astype(w_VD.dtype), ("vocab", "embed"))
 
     dh_TD, dw_N = lax.scan(body, jnp.zeros((t, d), F32), jnp.arange(n, dtype=jnp.int32))
@@ -309,3 +356,118 @@ def _transposed(gather: Gather) -> Gather:
 
 
 _nll.defvjp(_nll_fwd, _nll_bwd)
+
+
+def token_chunked_nll(
+    h_TD: jax.Array, w_VD: jax.Array, targets_T: jax.Array, weights_T: jax.Array
+) -> jax.Array:
+    """sum_t weights_T[t] * nll_T[t] (float32 scalar) of the logits h_TD @ w_VD.T, over chunks
+    of tokens that each see the whole vocabulary (the `chunks="tokens"` path).
+
+    Every chunk holds its [T/N, V] float32 logits (TOKEN_CHUNK_LOGITS_BYTES at most: 512 tokens
+    for V = 32000), so its softmax is final at once: under differentiation the forward also
+    forms the chunk's dlogits = (softmax - onehot) * weights and from them dh and the chunk's
+    share of dW (a float32 [V, D] accumulator); the backward only scales both by the scalar
+    cotangent. Three head matmuls instead of the vocab path's four, for a [V, D] float32
+    gradient kept between forward and backward: the faster choice on a CPU, where the head
+    matmuls are most of the step (docs/performance.md). Not under a sharded head: each chunk's
+    dW sums over tokens, so under FSDP every chunk would reduce a whole [V, D] partial
+    gradient across devices, where a vocab chunk reduces its own rows once. Evaluation (no
+    differentiation) runs one matmul per chunk.
+
+    Chunk j holds tokens j, j + N, j + 2N, ... (padded with weight-0 tokens to N * C): a
+    token-sharded h keeps each device's share in every chunk. weights_T: float32 [T] (the
+    target mask); h_TD and w_VD share the compute dtype; targets_T int in [0, V)."""
+    (t, d), v = h_TD.shape, w_VD.shape[0]
+    if w_VD.ndim != 2 or w_VD.shape[1] != d or h_TD.dtype != w_VD.dtype:
+        raise ValueError(
+            f"token_chunked_nll: h {h_TD.dtype}{h_TD.shape} and w {w_VD.dtype}{w_VD.shape} "
+            f"must be [T, D], [V, D] of one dtype"
+        )
+    if targets_T.shape != (t,) or weights_T.shape != (t,):
+        raise ValueError(
+            f"token_chunked_nll: targets {targets_T.shape} and weights {weights_T.shape} must "
+            f"be [{t}]"
+        )
+    most = max(TOKEN_CHUNK_LOGITS_BYTES // (4 * v), 1)
+    n = math.ceil(t / most)
+    c = math.ceil(t / n)
+    xs: tuple[jax.Array, ...] = (h_TD, targets_T, weights_T.astype(F32))
+    if n * c > t:  # weight-0 padding tokens
+        xs = tuple(jnp.pad(x, ((0, n * c - t),) + ((0, 0),) * (x.ndim - 1)) for x in xs)
+    # [N * C, ...] -> [N, C, ...], chunk j = rows j, j + N, ...
+    h_NCD, targets_NC, weights_NC = (x.reshape(c, n, *x.shape[1:]).swapaxes(0, 1) for x in xs)
+    upcast = upcast_bf16_dots(h_TD.dtype)
+    total: jax.Array = _tokens_nll(upcast, h_NCD, w_VD, targets_NC, weights_NC)
+    return total
+
+
+def _token_chunk(
+    h_CD: jax.Array, w_VD: jax.Array, targets_C: jax.Array, upcast: bool
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(logits_CV float32, lse_C, nll_C) of one token chunk."""
+    logits_CV = constrain(_dot(h_CD, w_VD, (1, 1), upcast), ("batch", "vocab"))
+    lse_C = jax.nn.logsumexp(logits_CV, axis=1)
+    target_C = jnp.take_along_axis(logits_CV, targets_C[:, None], axis=1)[:, 0]
+    return logits_CV, lse_C, lse_C - target_C
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tokens_nll(
+    upcast: bool,
+    h_NCD: jax.Array,
+    w_VD: jax.Array,
+    targets_NC: jax.Array,
+    weights_NC: jax.Array,
+) -> jax.Array:
+    wide_VD = w_VD.astype(F32) if upcast else w_VD  # widened once, not per chunk
+
+    def body(total: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, None]:
+        h_CD, targets_C, weights_C = xs
+        _, _, nll_C = _token_chunk(h_CD, wide_VD, targets_C, upcast)
+        return total + jnp.sum(nll_C * weights_C), None
+
+    total, _ = lax.scan(body, jnp.zeros((), F32), (h_NCD, targets_NC, weights_NC))
+    return total
+
+
+def _tokens_nll_fwd(
+    upcast: bool,
+    h_NCD: jax.Array,
+    w_VD: jax.Array,
+    targets_NC: jax.Array,
+    weights_NC: jax.Array,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+    wide_VD = w_VD.astype(F32) if upcast else w_VD
+    ids_V = jnp.arange(w_VD.shape[0], dtype=jnp.int32)
+
+    def body(
+        carry: tuple[jax.Array, jax.Array], xs: tuple[jax.Array, ...]
+    ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+        total, dw_VD = carry
+        h_CD, targets_C, weights_C = xs
+        logits_CV, lse_C, nll_C = _token_chunk(h_CD, wide_VD, targets_C, upcast)
+        hit_CV = ids_V[None, :] == targets_C[:, None]
+        # Rounded to the compute dtype, as the vocab path's (and autodiff's) dlogits are.
+        dlogits_CV = ((jnp.exp(logits_CV - lse_C[:, None]) - hit_CV) * weights_C[:, None]).astype(
+            h_CD.dtype
+        )
+        dh_CD = _dot(dlogits_CV, wide_VD, (1, 0), upcast)
+        dw_VD = constrain(dw_VD + _dot(dlogits_CV, h_CD, (0, 0), upcast), HEAD_NAMES)
+        return (total + jnp.sum(nll_C * weights_C), dw_VD), dh_CD
+
+    init = (jnp.zeros((), F32), jnp.zeros(w_VD.shape, F32))
+    (total, dw_VD), dh_NCD = lax.scan(body, init, (h_NCD, targets_NC, weights_NC))
+    # float32 until the cotangent scales them (the compute dtype's zero-size marker rides along)
+    return total, (dh_NCD, dw_VD, jnp.zeros((0,), h_NCD.dtype))
+
+
+def _tokens_nll_bwd(
+    upcast: bool, res: tuple[jax.Array, jax.Array, jax.Array], g: jax.Array
+) -> tuple[jax.Array, jax.Array, None, None]:
+    dh_NCD, dw_VD, like = res
+    # Scaled in float32 and rounded once to the compute dtype, as the vocab path's dh and dW.
+    return (g * dh_NCD).astype(like.dtype), (g * dw_VD).astype(like.dtype), None, None
+
+
+_tokens_nll.defvjp(_tokens_nll_fwd, _tokens_nll_bwd)

@@ -28,7 +28,12 @@ from moetext.models import (
     TargetsLM,
     added_loss,
 )
-from moetext.program.loss import fused_masked_nll, logits_masked_nll, masked_nll
+from moetext.program.loss import (
+    fused_masked_nll,
+    logits_masked_nll,
+    masked_nll,
+    resolve_chunks,
+)
 from moetext.program.state import TrainState
 
 Batch = dict[str, jax.Array]
@@ -91,10 +96,11 @@ def make_loss_fn(graphdef: nnx.GraphDef[Any], rest: nnx.State[Any, Any]) -> Loss
         }
         targets_BS, mask_BS = tokens_BS1[:, 1:], target_mask(batch)
         chunk = model.loss_chunk_size if isinstance(model, HiddenStatesLM) else 0
+        by = resolve_chunks(model.loss_chunks) if chunk > 0 else "vocab"
         if isinstance(model, TargetsLM) and model.reads_targets:
             nll = logits_masked_nll
             if chunk > 0:
-                nll = functools.partial(fused_masked_nll, chunk_size=chunk)
+                nll = functools.partial(fused_masked_nll, chunk_size=chunk, chunks=by)
             step_views: dict[str, jax.Array] = {}
             if step is not None:
                 step_views["step_mask_BS"] = target_mask(step)
@@ -103,7 +109,7 @@ def make_loss_fn(graphdef: nnx.GraphDef[Any], rest: nnx.State[Any, Any]) -> Loss
         if isinstance(model, HiddenStatesLM) and chunk > 0:
             h_BSD, aux = model.hidden_states(tokens_BS1[:, :-1], **inputs)
             nll_sum, count = fused_masked_nll(
-                h_BSD, model.head_VD(), targets_BS, mask_BS, chunk_size=chunk
+                h_BSD, model.head_VD(), targets_BS, mask_BS, chunk_size=chunk, chunks=by
             )
         else:
             logits_BSV, aux = model(tokens_BS1[:, :-1], **inputs)

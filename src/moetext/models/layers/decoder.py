@@ -248,6 +248,11 @@ class LayerStack(nnx.Module):
         """model.loss_chunk_size: vocab rows per chunk of the fused loss; 0 = the logits path."""
         return self.cfg.loss_chunk_size
 
+    @property
+    def loss_chunks(self) -> str:
+        """model.loss_chunks: how the fused loss chunks (auto, vocab, tokens)."""
+        return self.cfg.loss_chunks
+
     def logits(self, x_BSD: jax.Array) -> jax.Array:
         """The LM head on hidden states x_BSD -> logits_BSV float32."""
         # Logits come out in the compute dtype and are upcast after (MaxText's default too): an
