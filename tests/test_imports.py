@@ -169,7 +169,9 @@ KERNELS_DIR = SRC / "kernels"
 # kernels/<subpackage or module> -> what it may import of kernels ("__init__": kernels/__init__).
 # pallas (kernel bodies, tilings) knows nothing of gmm (backends, the Gmm op, the Recipe protocol)
 # or quant (recipes, FP8 numerics); gmm runs pallas kernels; quant wraps gmm backends and pairs
-# them with the FP8 Pallas kernels. typed_jax and fp8_scaling are leaves every room may use.
+# them with the FP8 Pallas kernels. typed_jax and fp8_scaling are leaves every room may use;
+# host_dots (bf16 operands widened on a CPU without bf16 dots) asks pallas.target whether the
+# code is compiled for a TPU.
 KERNELS: dict[str, set[str]] = {
     "typed_jax": set(),
     "fp8_scaling": {"typed_jax"},
@@ -177,6 +179,7 @@ KERNELS: dict[str, set[str]] = {
     "gmm": {"typed_jax", "pallas"},
     "quant": {"typed_jax", "fp8_scaling", "pallas", "gmm"},
     "activations": {"gmm"},
+    "host_dots": {"pallas"},
     "build": {"gmm", "quant"},
     "__init__": {"build", "gmm", "quant"},
 }

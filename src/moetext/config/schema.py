@@ -17,6 +17,7 @@ from typing import Any, Literal
 from moetext import paths
 from moetext.config import families
 from moetext.config.fields import must_match, resume_safe, resume_safe_if, shapes_params
+from moetext.config.moe_checks import check_routing
 from moetext.errors import ConfigError
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -176,44 +177,7 @@ class MoEConfig:
             )
         if self.capacity_factor <= 0:
             raise ConfigError(f"moe.capacity_factor must be positive, got {self.capacity_factor}")
-        _check_routing(self)
-
-
-def _check_routing(m: MoEConfig) -> None:
-    """Group layout, balancing and scope fields: one ConfigError naming the fields."""
-    for name, value, valid in (
-        ("aux_loss_scope", m.aux_loss_scope, ("micro_batch", "sequence", "global_batch")),
-        ("routing_override", m.routing_override, ("none", "balanced", "random")),
-    ):
-        if value not in valid:
-            raise ConfigError(f"unknown moe.{name} {value!r}; valid: {', '.join(valid)}")
-    e, k, g, tg = m.num_experts, m.num_experts_per_tok, m.n_group, m.topk_group
-    if g > 1:
-        if e % g or e // g < 2:
-            raise ConfigError(
-                f"moe.n_group={g} must divide moe.num_experts={e} into groups of at least 2 "
-                f"experts (a group is scored by its top 2)"
-            )
-        if tg > g:
-            raise ConfigError(f"moe.topk_group={tg} exceeds moe.n_group={g}")
-        if tg * (e // g) < k:
-            raise ConfigError(
-                f"moe.topk_group={tg} groups of {e // g} experts (moe.num_experts={e} / "
-                f"moe.n_group={g}) hold fewer than moe.num_experts_per_tok={k} experts"
-            )
-    elif tg != 1:
-        raise ConfigError(f"moe.topk_group={tg} needs moe.n_group > 1 (it is {g})")
-    if m.bias_update_rate < 0:
-        raise ConfigError(f"moe.bias_update_rate must be >= 0, got {m.bias_update_rate}")
-    if m.initial_bias and len(m.initial_bias) != e:
-        raise ConfigError(
-            f"moe.initial_bias has {len(m.initial_bias)} values for moe.num_experts={e} (one "
-            f"per expert, or empty for zeros)"
-        )
-    if m.routed_scaling_factor <= 0:
-        raise ConfigError(
-            f"moe.routed_scaling_factor must be positive, got {m.routed_scaling_factor}"
-        )
+        check_routing(self)
 
 
 @dataclass(frozen=True)
@@ -238,7 +202,8 @@ class KernelsConfig:
     (more peak memory). auto = fused exactly when kernels.quantization is on."""
     grad_reduce_dtype: Literal["param", "bfloat16"] = resume_safe("param")
     """dtype of the reduce-scatter of sharded expert-weight gradients: param (the weights'
-    dtype, f32 by default) or bfloat16 (half the bytes and the full-size gradient buffer)."""
+    dtype, f32 by default) or bfloat16 (half the bytes and the full-size gradient buffer; what
+    the shipped pod model configs set, as MaxText reduces)."""
     decode_moe: Literal["auto", "fused", "loop"] = resume_safe("auto")
     """The routed experts of a decoding (prefused) MoE layer with at most 256 rows: fused (one
     Pallas TPU kernel reading each active expert's weights once; interpreted off TPU), loop (a
