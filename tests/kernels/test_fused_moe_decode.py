@@ -20,6 +20,7 @@ from jax.sharding import SingleDeviceSharding
 from moetext.aot import TOPOLOGY_BY_CHIP, tpu_devices
 from moetext.hlo_cost import hlo_cost
 from moetext.kernels.pallas import moe_decode as md
+from moetext.kernels.pallas import moe_decode_split as mds
 from moetext.kernels.pallas import target
 
 
@@ -73,7 +74,7 @@ def test_d_split_kernels_match_the_float64_oracle(t, k, e, d, f, tf):
     # fused_gate_up -> SwiGLU x slot weights -> fused_down: what one shard of D-split (fsdp)
     # weights runs around its psum, here on one device (the psum is the identity).
     x, ids, w, w_gu, w_dn = operands(t, k, e, d, f, seed=3)
-    got = md.split_reference(*map(jnp.asarray, (x, ids, w, w_gu, w_dn)), interpret=True)
+    got = mds.split_reference(*map(jnp.asarray, (x, ids, w, w_gu, w_dn)), interpret=True)
     want = oracle(x, ids, w, w_gu, w_dn)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 * np.abs(want).max(), rtol=0)
 
@@ -203,7 +204,7 @@ def test_d_split_kernels_compile_with_mosaic_for_tpu(chip):
     d, f, e, k, rows = 256, 768, 128, 8, 8
     args = _layer_args(chip, rows, d, f, e, k)
     with target.compiling_for(chip):
-        compiled = jax.jit(md.split_reference).lower(*args).compile()
+        compiled = jax.jit(mds.split_reference).lower(*args).compile()
     text = compiled.as_text()
     assert "moetext_fused_gate_up" in text and "moetext_fused_down" in text
     assert compiled.out_info.shape == (rows, d)

@@ -39,6 +39,7 @@ from jax.typing import DTypeLike
 
 from moetext.kernels.gmm import Gmm
 from moetext.kernels.pallas import moe_decode as fused_kernel
+from moetext.kernels.pallas import moe_decode_split as fused_split
 from moetext.kernels.pallas import target
 from moetext.models.layers.rowdot import dot_rows
 from moetext.models.moe import dispatch as dsp
@@ -282,11 +283,11 @@ def _d_split(
     slots_S, n_S = fused_kernel.active_slots(ids_tK, w_gu.shape[0])
     d_idx = jax.lax.axis_index(d_axes)
     x_slice = jax.lax.dynamic_slice_in_dim(x_tD, d_idx * w_gu.shape[1], w_gu.shape[1], axis=1)
-    g, u = fused_kernel.fused_gate_up(x_slice, slots_S, n_S, w_gu)
+    g, u = fused_split.fused_gate_up(x_slice, slots_S, n_S, w_gu)
     g, u = jax.lax.psum((g, u), d_axes)  # type: ignore[no-untyped-call]  # jax: unannotated
-    c_ST = fused_kernel.slot_weights(ids_tK, w_tK, slots_S, n_S)
+    c_ST = fused_split.slot_weights(ids_tK, w_tK, slots_S, n_S)
     h = (c_ST[..., None] * jax.nn.silu(g) * u).astype(x_tD.dtype)
-    return fused_kernel.fused_down(h, slots_S, n_S, w_dn)
+    return fused_split.fused_down(h, slots_S, n_S, w_dn)
 
 
 def expert_outputs(
