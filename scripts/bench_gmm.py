@@ -13,6 +13,7 @@ than the absolute ms do.
     python scripts/bench_gmm.py --backends blocked ragged_dot --out bench.json
     python scripts/bench_gmm.py --tpu-aot [--chips v5p ...]  # TPU compiler estimates (AOT)
     python scripts/bench_gmm.py --floor                      # memory-traffic floor per G
+    python scripts/bench_gmm.py --d 1024 --f 384 --ms 32768 --gs 128   # another shape
 
 --floor times, against the same dense fwd+bwd, what any grouped fwd+bwd must do besides its
 FLOPs: produce the [G, D, F] weight gradient (a fresh buffer filled once) and read the
@@ -36,7 +37,7 @@ import numpy as np
 import moetext  # noqa: F401  (quiets libtpu's TPU probing where there is no TPU)
 from moetext.kernels import gmm as gmm_lib
 
-D, F = 2048, 768  # Qwen3-30B-A3B: model dim, expert intermediate dim
+D, F = 2048, 768  # defaults of --d / --f: Qwen3-30B-A3B's model dim and expert hidden dim
 SKIP_BY_DEFAULT = ("reference", "pallas_tpu")  # float64 callback / interpret mode: not a speed
 
 
@@ -82,7 +83,8 @@ def _fwd_bwd(f):
     return jax.jit(run)
 
 
-def bench_shape(m, g, routing, dtype, backends, reps, budget_s, rng) -> list[dict]:
+def bench_shape(m, g, routing, dtype, backends, reps, budget_s, rng, d=D, f=F) -> list[dict]:
+    D, F = d, f  # noqa: N806  (the legend's names)
     x = jnp.asarray(rng.standard_normal((m, D)), dtype)
     w_GDF = jnp.asarray(rng.standard_normal((g, D, F)) / np.sqrt(D), dtype)
     dout = jnp.asarray(rng.standard_normal((m, F)), dtype)
@@ -140,7 +142,8 @@ def format_row(r: dict) -> str:
     )
 
 
-def memory_floor(m: int, gs: list[int], dtype, reps: int) -> None:
+def memory_floor(m: int, gs: list[int], dtype, reps: int, d: int = D, f: int = F) -> None:
+    D, F = d, f  # noqa: N806  (the legend's names)
     """Prints, per G, the fill + 2 reads floor of a grouped fwd+bwd over the dense fwd+bwd."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((m, D)), dtype)
@@ -177,6 +180,8 @@ def parse_args(argv=None):
         choices=["balanced", "dirichlet"],
     )
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    p.add_argument("--d", type=int, default=D, help=f"model dim D = K (default {D})")
+    p.add_argument("--f", type=int, default=F, help=f"expert hidden dim F = N (default {F})")
     p.add_argument("--reps", type=int, default=5, help="timed (dense, backend) pairs per point")
     p.add_argument(
         "--budget-s",
@@ -224,7 +229,7 @@ def main(argv=None) -> int:
         return 2
     if args.floor:
         for dtype in args.dtypes:
-            memory_floor(min(args.ms), args.gs, jnp.dtype(dtype), max(args.reps, 7))
+            memory_floor(min(args.ms), args.gs, jnp.dtype(dtype), max(args.reps, 7), args.d, args.f)
         return 0
     available = gmm_lib.available_backends()
     backends = args.backends or [b for b in available if b not in SKIP_BY_DEFAULT]
@@ -234,7 +239,7 @@ def main(argv=None) -> int:
         return 2
     ms, reps = ([min(args.ms)], min(args.reps, 3)) if args.quick else (args.ms, args.reps)
     print(
-        f"jax {jax.__version__} on {jax.devices()[0].device_kind}; D={D} F={F}; "
+        f"jax {jax.__version__} on {jax.devices()[0].device_kind}; D={args.d} F={args.f}; "
         f"ratio = backend time / dense matmul time of equal FLOPs",
         flush=True,
     )
@@ -246,10 +251,21 @@ def main(argv=None) -> int:
             for g in args.gs:
                 for routing in args.routings:
                     rows += bench_shape(
-                        m, g, routing, jnp.dtype(dtype), backends, reps, args.budget_s, rng
+                        m,
+                        g,
+                        routing,
+                        jnp.dtype(dtype),
+                        backends,
+                        reps,
+                        args.budget_s,
+                        rng,
+                        args.d,
+                        args.f,
                     )
     if args.out:
-        args.out.write_text(json.dumps(dict(jax=jax.__version__, d=D, f=F, rows=rows), indent=1))
+        args.out.write_text(
+            json.dumps(dict(jax=jax.__version__, d=args.d, f=args.f, rows=rows), indent=1)
+        )
     return 0
 
 
