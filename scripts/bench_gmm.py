@@ -143,8 +143,8 @@ def format_row(r: dict) -> str:
 
 
 def memory_floor(m: int, gs: list[int], dtype, reps: int, d: int = D, f: int = F) -> None:
-    D, F = d, f  # noqa: N806  (the legend's names)
     """Prints, per G, the fill + 2 reads floor of a grouped fwd+bwd over the dense fwd+bwd."""
+    D, F = d, f  # noqa: N806  (the legend's names)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((m, D)), dtype)
     dout = jnp.asarray(rng.standard_normal((m, F)), dtype)
@@ -158,10 +158,11 @@ def memory_floor(m: int, gs: list[int], dtype, reps: int, d: int = D, f: int = F
         for fn, a in calls:
             jax.block_until_ready(fn(*a))
         t = [[_once(fn, a) for fn, a in calls] for _ in range(reps)]
-        d, fl, rd = (1e3 * statistics.median(r[i] for r in t) for i in range(3))
+        dt, fl, rd = (1e3 * statistics.median(r[i] for r in t) for i in range(3))
         print(
-            f"G={g:4}: dense fwd+bwd {d:6.1f} ms | fill [G,D,F] {fl:6.1f} ms | "
-            f"read [G,D,F] {rd:6.1f} ms | floor (fill + 2 reads) / dense {(fl + 2 * rd) / d:5.2f}x",
+            f"G={g:4}: dense fwd+bwd {dt:6.1f} ms | fill [G,D,F] {fl:6.1f} ms | "
+            f"read [G,D,F] {rd:6.1f} ms | floor (fill + 2 reads) / dense "
+            f"{(fl + 2 * rd) / dt:5.2f}x",
             flush=True,
         )
 
