@@ -2,15 +2,16 @@
 argument rules and errors."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from moetext.data.chat_template import CHATML
+from moetext.data.chat_template import CHATML, ChatTemplateError
 from moetext.data.tokenizer import load_tokenizer
 from moetext.errors import ConfigError
 from moetext.generate import chat
-from moetext.generate.__main__ import main
+from moetext.generate.__main__ import main, template_vars
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures/hf/chat_tokenizer"
 EXPECTED = json.loads((FIXTURE / "expected.json").read_text(encoding="utf-8"))
@@ -48,3 +49,33 @@ def test_prompt_and_chat_are_exclusive_and_one_is_required(extra, capsys):
         main(["config.yml", "--checkpoint", "ckpt", *extra])
     assert e.value.code == 2
     assert "--prompt" in capsys.readouterr().err
+
+
+def test_template_variables_reach_the_template_and_the_cli_reads_them():
+    # Qwen3's template (the fixture's): enable_thinking=false writes an empty think block
+    # after the generation prompt's assistant header, and nothing else changes.
+    tok = load_tokenizer(FIXTURE)
+    template = chat.template_for(tok, None)
+    conv = chat.conversation("What is 2+2?")
+
+    def prompt(**variables):
+        return template.render(conv, add_generation_prompt=True, variables=variables)
+
+    plain = prompt()
+    assert plain.endswith("<|im_start|>assistant\n")
+    assert prompt(enable_thinking=False) == plain + "<think>\n\n</think>\n\n"
+    assert prompt(enable_thinking=True) == plain
+    with pytest.raises(ChatTemplateError, match=r"\['messages'\] are set by the renderer"):
+        prompt(messages=[])
+    assert template_vars(["enable_thinking=false", "n=3", "who=a b"]) == {
+        "enable_thinking": False,
+        "n": 3,
+        "who": "a b",
+    }
+    for bad, message in (
+        ("enable_thinking", "expected NAME=VALUE"),
+        ("1x=2", "expected NAME=VALUE"),
+        ("x=[1", "VALUE is not YAML"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(f"--template-var {bad!r}: {message}")):
+            template_vars([bad])

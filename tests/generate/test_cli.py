@@ -86,6 +86,10 @@ def test_generate_from_a_run_checkpoint(run_dir):
         ),
         (["--max_len", "8"], "more than --max_len 8"),
         (
+            ["--template-var", "enable_thinking=false"],
+            "--template-var sets chat-template variables: it needs --chat",
+        ),
+        (
             ["model.emb_dim=32", "model.head_dim=8"],
             "model.emb_dim: the checkpoint has 64, this run 32",
         ),

@@ -5,8 +5,11 @@ Templates are jinja2, rendered in the environment transformers' `apply_chat_temp
 (an ImmutableSandboxedEnvironment with trim_blocks, lstrip_blocks, the loopcontrols
 extension, a `tojson` that does not escape HTML, `strftime_now`, `raise_exception`, and the
 `{% generation %}` block), with the variables `messages`, `add_generation_prompt`, `tools`
-(None), `bos_token`, `eos_token`, `pad_token` and `unk_token`; the rendered text is tokenized
-as a whole, without added special tokens, so the ids are those transformers gives.
+(None), `bos_token`, `eos_token`, `pad_token` and `unk_token`, plus any the caller adds
+(`render(..., variables={"enable_thinking": False})`, as apply_chat_template's extra keyword
+arguments: Qwen3's template then writes an empty think block into the generation prompt); the
+rendered text is tokenized as a whole, without added special tokens, so the ids are those
+transformers gives.
 
 Where the template comes from (`load_chat_template`): `data.chat_template` (a file) when set;
 else `chat_template.jinja` beside the tokenizer file; else `chat_template` in
@@ -37,6 +40,8 @@ from typing import Any
 from moetext.data.tokenizer import CHAT_TEMPLATE_FILE, HF_CONFIG_FILE, Tokenizer
 
 Message = Mapping[str, Any]  # {"role": ..., "content": ..., and whatever else the template reads}
+# The variables `ChatTemplate` sets itself (besides the special tokens): extra ones may not.
+RENDERER_VARIABLES = ("messages", "add_generation_prompt", "tools", "documents")
 
 CHATML = (
     "{% for message in messages %}"
@@ -134,14 +139,32 @@ class ChatTemplate:
         self._tracker = next(e for e in self._env.extensions.values() if hasattr(e, "spans"))
         self.has_generation_blocks = bool(_GENERATION_TAG.search(source))
 
-    def render(self, messages: Sequence[Message], *, add_generation_prompt: bool = False) -> str:
-        return self._render(messages, add_generation_prompt)[0]
+    def render(
+        self,
+        messages: Sequence[Message],
+        *,
+        add_generation_prompt: bool = False,
+        variables: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The conversation's text; `variables` are more template variables (e.g. Qwen3's
+        enable_thinking), never one of those the renderer sets itself."""
+        return self._render(messages, add_generation_prompt, variables)[0]
 
     def _render(
-        self, messages: Sequence[Message], add_generation_prompt: bool
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool,
+        variables: Mapping[str, Any] | None = None,
     ) -> tuple[str, list[tuple[int, int]]]:
         import jinja2
 
+        variables = dict(variables or {})
+        reserved = sorted(set(variables) & {*RENDERER_VARIABLES, *self.special_tokens})
+        if reserved:
+            raise ChatTemplateError(
+                f"chat template variables {reserved} are set by the renderer itself; extra "
+                f"variables may not replace them"
+            )
         blocks: list[str] = []
         with _tracking(self._tracker, blocks):
             try:
@@ -151,6 +174,7 @@ class ChatTemplate:
                     tools=None,
                     documents=None,
                     **self.special_tokens,
+                    **variables,
                 ):
                     blocks.append(block)
             except jinja2.TemplateError as e:

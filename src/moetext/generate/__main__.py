@@ -2,7 +2,10 @@
 
 One completion per prompt (or one assistant reply per --chat conversation) on stdout (--jsonl:
 one JSON object each); logs on stderr. `--chat -` reads user turns from stdin, one a line, as
-one multi-turn conversation.
+one multi-turn conversation. `--template-var NAME=VALUE` (repeatable, VALUE read as YAML:
+true, 3, text) hands the chat template one more variable, as transformers'
+apply_chat_template(**kwargs) does: `--template-var enable_thinking=false` makes Qwen3's
+template start the reply with an empty think block (no thinking).
 """
 
 from __future__ import annotations
@@ -34,6 +37,13 @@ def _parser() -> argparse.ArgumentParser:
         "batch), answered with the chat template; '-': a multi-turn session on stdin",
     )  # fmt: skip
     p.add_argument("--system", help="--chat: a system message at the start of each conversation")
+    p.add_argument(
+        "--template-var",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="--chat: one more chat-template variable (VALUE as YAML), e.g. enable_thinking=false",
+    )
     p.add_argument("--max_new_tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top_k", type=int, default=0, help="0: no top-k cut")
@@ -51,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     # in a state/ item) as absl warnings; this command's own errors are one `error:` line.
     logging.getLogger("absl").setLevel(logging.ERROR)
     try:
+        args.template_vars = template_vars(args.template_var)
+        if args.template_vars and not args.chat:
+            raise ConfigError("--template-var sets chat-template variables: it needs --chat")
         # Paths absolute at the boundary (orbax needs them so); a bad one is one line. The
         # config is config.load's: a relative configs/... path may name a shipped config.
         checkpoint = os.fspath(paths.existing_dir(args.checkpoint, "--checkpoint"))
@@ -78,6 +91,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def template_vars(items: list[str]) -> dict[str, Any]:
+    """--template-var NAME=VALUE items -> {NAME: VALUE read as YAML}, or a ConfigError naming
+    the item."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or not name.strip().isidentifier():
+            raise ConfigError(
+                f"--template-var {item!r}: expected NAME=VALUE with NAME a template variable "
+                f"name, e.g. enable_thinking=false"
+            )
+        try:
+            out[name.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--template-var {item!r}: VALUE is not YAML: {e}") from None
+    return out
 
 
 def _complete(args: argparse.Namespace, model: Any, tok: Any, run: dict[str, Any]) -> None:
@@ -113,7 +146,9 @@ def _chat(args: argparse.Namespace, cfg: Any, model: Any, tok: Any, run: dict[st
     if "-" in args.chat:
         raise ConfigError("--chat -: a stdin session is the only --chat of its command")
     convs = [chat.conversation(u, args.system) for u in args.chat]
-    replies, out = chat.reply(model, tok, template, convs, stop=stop, **run)
+    replies, out = chat.reply(
+        model, tok, template, convs, stop=stop, variables=args.template_vars, **run
+    )
     _print(args, args.chat, replies, out)
     return 0
 
@@ -127,7 +162,9 @@ def _session(args: Any, model: Any, tok: Any, template: Any, stop: Any, run: Any
         if not line.strip():
             continue
         conv.append({"role": "user", "content": line.rstrip("\n")})
-        (text,), out = chat.reply(model, tok, template, [conv], stop=stop, **run)
+        (text,), out = chat.reply(
+            model, tok, template, [conv], stop=stop, variables=args.template_vars, **run
+        )
         conv.append({"role": "assistant", "content": text})
         if args.jsonl:
             print(json.dumps({"prompt": conv[-2]["content"], "completion": text}), flush=True)

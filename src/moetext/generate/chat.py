@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from moetext.data.chat_template import (
@@ -74,10 +74,15 @@ def reply(
     seed: int = 0,
     max_len: int | None = None,
     batch_multiple: int = 1,
+    variables: Mapping[str, Any] | None = None,
 ) -> tuple[list[str], Generated]:
-    """The assistant's next reply to each conversation (batched), and the raw result."""
+    """The assistant's next reply to each conversation (batched), and the raw result;
+    `variables` are extra chat-template variables (--template-var, e.g. enable_thinking)."""
     try:
-        prompts = [template.render(c, add_generation_prompt=True) for c in conversations]
+        prompts = [
+            template.render(c, add_generation_prompt=True, variables=variables)
+            for c in conversations
+        ]
     except ChatTemplateError as e:
         raise ConfigError(f"--chat: {e}") from None
     out = generate_ids(
