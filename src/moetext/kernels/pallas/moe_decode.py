@@ -73,6 +73,31 @@ def active_slots(ids_TK: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Ar
     return slots_S, n.reshape(1).astype(jnp.int32)
 
 
+class SlotMaps:
+    """The BlockSpec index maps of a (slot s, F block j) grid with the scalar-prefetched
+    (slots, n_active) refs: expert slots[s]'s gate block (columns j of [gate | up]), up block
+    (columns J + j), down block (rows j), and a whole operand. A slot past the active count
+    stays on the last active step's block (`block`): Pallas skips an unchanged block's DMA."""
+
+    def __init__(self, num_f: int):
+        self.num_f = num_f
+
+    def block(self, j: jax.Array, s_: jax.Array, n_ref: Ref) -> jax.Array:
+        return jnp.where(s_ < n_ref[0], j, self.num_f - 1)
+
+    def gate(self, s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
+        return slots[s_], jnp.int32(0), self.block(j, s_, n_ref)
+
+    def up(self, s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
+        return slots[s_], jnp.int32(0), self.num_f + self.block(j, s_, n_ref)
+
+    def down(self, s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
+        return slots[s_], self.block(j, s_, n_ref), jnp.int32(0)
+
+    def whole(self, s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
+        return jnp.int32(0), jnp.int32(0)
+
+
 def fused_moe(
     x_TD: jax.Array,
     ids_TK: jax.Array,
@@ -117,29 +142,15 @@ def fused_moe(
     ids_pK = jnp.pad(ids_TK.astype(jnp.int32), ((0, tp - t), (0, 0)), constant_values=-1)
     w_pK = jnp.pad(w_TK.astype(jnp.float32), ((0, tp - t), (0, 0)))
 
-    def block(j: jax.Array, s_: jax.Array, n_ref: Ref) -> jax.Array:
-        # A slot past the active count stays on the last active step's block: no new DMA.
-        return jnp.where(s_ < n_ref[0], j, nf - 1)
-
-    def gate_map(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
-        return slots[s_], jnp.int32(0), block(j, s_, n_ref)
-
-    def up_map(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
-        return slots[s_], jnp.int32(0), nf + block(j, s_, n_ref)
-
-    def down_map(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
-        return slots[s_], block(j, s_, n_ref), jnp.int32(0)
-
-    def whole(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
-        return jnp.int32(0), jnp.int32(0)
+    maps = SlotMaps(nf)
 
     in_specs = [
-        pl.BlockSpec((tp, d), whole),
-        pl.BlockSpec((tp, k), whole),
-        pl.BlockSpec((tp, k), whole),
-        pl.BlockSpec((pl.squeezed, d, tf), gate_map),
-        pl.BlockSpec((pl.squeezed, d, tf), up_map),
-        pl.BlockSpec((pl.squeezed, tf, d), down_map),
+        pl.BlockSpec((tp, d), maps.whole),
+        pl.BlockSpec((tp, k), maps.whole),
+        pl.BlockSpec((tp, k), maps.whole),
+        pl.BlockSpec((pl.squeezed, d, tf), maps.gate),
+        pl.BlockSpec((pl.squeezed, d, tf), maps.up),
+        pl.BlockSpec((pl.squeezed, tf, d), maps.down),
     ]
     y_dtype = jnp.dtype(out_dtype or x_TD.dtype)
     x_item, y_item = jnp.dtype(x_TD.dtype).itemsize, y_dtype.itemsize
@@ -163,7 +174,7 @@ def fused_moe(
             num_scalar_prefetch=2,
             grid=(s, nf),
             in_specs=in_specs,
-            out_specs=pl.BlockSpec((tp, d), whole),
+            out_specs=pl.BlockSpec((tp, d), maps.whole),
             scratch_shapes=[pltpu.VMEM((tp, d), jnp.float32)],
         ),
         compiler_params=tiling_lib.compiler_params(

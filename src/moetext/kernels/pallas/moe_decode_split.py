@@ -24,6 +24,7 @@ from moetext.kernels.pallas import tiling as tiling_lib
 from moetext.kernels.pallas.common import Interpret, Ref, resolve_interpret, round_up
 from moetext.kernels.pallas.moe_decode import (
     DIMENSIONS,
+    SlotMaps,
     accumulate_slots,
     active_slots,
     default_block_f,
@@ -56,20 +57,10 @@ def fused_gate_up(
     tp = round_up(t, tiling_lib.sublanes(x_TD.dtype))
     x_pD = jnp.pad(x_TD, ((0, tp - t), (0, 0)))
 
-    def block(j: jax.Array, s_: jax.Array, n_ref: Ref) -> jax.Array:
-        return jnp.where(s_ < n_ref[0], j, nf - 1)
-
-    def gate_map(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
-        return slots[s_], jnp.int32(0), block(j, s_, n_ref)
-
-    def up_map(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
-        return slots[s_], jnp.int32(0), nf + block(j, s_, n_ref)
+    maps = SlotMaps(nf)
 
     def out_map(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
         return s_, jnp.int32(0), j
-
-    def whole(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
-        return jnp.int32(0), jnp.int32(0)
 
     w_item = jnp.dtype(w_gate_up.dtype).itemsize
     out = ShapeDtypeStruct((s, tp, f), jnp.float32)
@@ -85,9 +76,9 @@ def fused_gate_up(
             num_scalar_prefetch=2,
             grid=(s, nf),
             in_specs=[
-                pl.BlockSpec((tp, d), whole),
-                pl.BlockSpec((pl.squeezed, d, tf), gate_map),
-                pl.BlockSpec((pl.squeezed, d, tf), up_map),
+                pl.BlockSpec((tp, d), maps.whole),
+                pl.BlockSpec((pl.squeezed, d, tf), maps.gate),
+                pl.BlockSpec((pl.squeezed, d, tf), maps.up),
             ],
             out_specs=[
                 pl.BlockSpec((pl.squeezed, tp, tf), out_map),
@@ -160,17 +151,10 @@ def fused_down(
     tp = round_up(t, tiling_lib.sublanes(h_STF.dtype))
     h_SpF = jnp.pad(h_STF, ((0, 0), (0, tp - t), (0, 0)))
 
-    def block(j: jax.Array, s_: jax.Array, n_ref: Ref) -> jax.Array:
-        return jnp.where(s_ < n_ref[0], j, nf - 1)
+    maps = SlotMaps(nf)
 
     def h_map(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
-        return s_, jnp.int32(0), block(j, s_, n_ref)
-
-    def down_map(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
-        return slots[s_], block(j, s_, n_ref), jnp.int32(0)
-
-    def whole(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
-        return jnp.int32(0), jnp.int32(0)
+        return s_, jnp.int32(0), maps.block(j, s_, n_ref)
 
     y_dtype = jnp.dtype(out_dtype)
     needed = tiling_lib.vmem_bytes(
@@ -184,9 +168,9 @@ def fused_down(
             grid=(s, nf),
             in_specs=[
                 pl.BlockSpec((pl.squeezed, tp, tf), h_map),
-                pl.BlockSpec((pl.squeezed, tf, d), down_map),
+                pl.BlockSpec((pl.squeezed, tf, d), maps.down),
             ],
-            out_specs=pl.BlockSpec((tp, d), whole),
+            out_specs=pl.BlockSpec((tp, d), maps.whole),
             scratch_shapes=[pltpu.VMEM((tp, d), jnp.float32)],
         ),
         compiler_params=tiling_lib.compiler_params(
