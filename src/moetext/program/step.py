@@ -28,12 +28,7 @@ from moetext.models import (
     TargetsLM,
     added_loss,
 )
-from moetext.program.loss import (
-    fused_masked_nll,
-    logits_masked_nll,
-    masked_nll,
-    resolve_chunks,
-)
+from moetext.program.loss import fused_masked_nll, logits_masked_nll, masked_nll
 from moetext.program.state import TrainState
 
 Batch = dict[str, jax.Array]
@@ -95,8 +90,9 @@ def make_loss_fn(graphdef: nnx.GraphDef[Any], rest: nnx.State[Any, Any]) -> Loss
             "segment_ids_BS": seg_BS1[:, :-1],
         }
         targets_BS, mask_BS = tokens_BS1[:, 1:], target_mask(batch)
-        chunk = model.loss_chunk_size if isinstance(model, HiddenStatesLM) else 0
-        by = resolve_chunks(model.loss_chunks) if chunk > 0 else "vocab"
+        chunk, by = 0, "vocab"
+        if isinstance(model, HiddenStatesLM):
+            chunk, by = model.loss_chunk_size, model.loss_chunks
         if isinstance(model, TargetsLM) and model.reads_targets:
             nll = logits_masked_nll
             if chunk > 0:
