@@ -234,7 +234,7 @@ def _shard_body(layout: EPLayout, num_experts: int, dtype: DTypeLike, gmm: Gmm) 
         group_sizes_E = jnp.where(mine_E, jnp.sum(sizes_PE, axis=0), 0).astype(jnp.int32)
         ys_RD = _swiglu(
             layout,
-            jnp.take(recv_RD, sort_R, axis=0),
+            dsp.rows(recv_RD, sort_R, unique=True),
             (w_gate, w_up, w_down),
             group_sizes_E,
             me * n_local,
@@ -244,7 +244,7 @@ def _shard_body(layout: EPLayout, num_experts: int, dtype: DTypeLike, gmm: Gmm) 
         unsort_R = (
             jnp.zeros_like(sort_R).at[sort_R].set(jnp.arange(sort_R.shape[0], dtype=jnp.int32))
         )
-        ys_mD = ex.backward(jnp.take(ys_RD, unsort_R, axis=0))
+        ys_mD = ex.backward(dsp.rows(ys_RD, unsort_R, unique=True))
         return dsp.unpermute(ys_mD, order_m, k)
 
     return body
@@ -334,7 +334,7 @@ class _PaddedExchange:
         slot_C, src_PC = self._slots()
         valid_PC = slot_C[None, :] < self.send_P[:, None]
         buf_PCD = jnp.where(
-            valid_PC[..., None], jnp.take(xs_mD, jnp.minimum(src_PC, self.c - 1), axis=0), 0
+            valid_PC[..., None], dsp.rows(xs_mD, jnp.minimum(src_PC, self.c - 1)), 0
         )
         send_RD = buf_PCD.reshape(self.p * self.c, -1)
         recv = jax.lax.all_to_all(send_RD, self.axes, 0, 0, tiled=True)  # type: ignore[no-untyped-call]  # jax: unannotated
@@ -350,7 +350,7 @@ class _PaddedExchange:
         r_m = jnp.arange(self.c, dtype=jnp.int32)
         dest_m = jnp.minimum(_count_le(jnp.cumsum(self.send_P), r_m), self.p - 1)
         idx_m = dest_m * self.c + r_m - self.send_start_P[dest_m]
-        return jnp.take(back, idx_m, axis=0)
+        return dsp.rows(back, idx_m)
 
 
 class _RaggedExchange:
