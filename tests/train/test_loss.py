@@ -243,7 +243,7 @@ def test_the_fused_path_needs_a_model_with_hidden_states():
     # tests/models/test_family.py's, trained there through the real loop) gets the logits path.
     model = nnx.eval_shape(lambda: program.create_model(_tiny([])))
     assert isinstance(model, models.HiddenStatesLM)
-    assert model.loss_chunk_size == 2048  # the default
+    assert model.loss_chunk_size == 8192  # the default
 
     class LogitsOnly(nnx.Module):
         def __call__(self, tokens_BS, *, positions_BS=None, segment_ids_BS=None):
