@@ -8,7 +8,8 @@ in one piece, and against gmm on the whole weight (no sharding); the call with
 `regather_weights` (gathered again in the backward) against the one keeping the forward's copy;
 the slice gathered with its last two dims swapped (gather.minor_swapped) against it gathered as
 given, with the scales of its bounds (swap_scales); plus how many tiles ran, and the scale of
-the tiled gradient's bound (drhs_abs_scale).
+the tiled gradient's bound (drhs_abs_scale); a weight split over two mesh axes gathered in one
+collective (gather_jointly) against one axis at a time.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def run(
     ids: np.ndarray,
     regather: bool = False,
     count_gathers: bool = False,
+    jointly: bool = False,
 ) -> tuple[float, np.ndarray, np.ndarray]:
     """(loss, dlhs, drhs); with count_gathers, (all_gather ops in the gradient's jaxpr, -, -)."""
     spec, gather_dims, transpose = LAYOUTS[layout]
@@ -69,7 +71,14 @@ def run(
     def body(xl: jax.Array, wl: jax.Array, il: jax.Array) -> jax.Array:
         order = jnp.argsort(il, stable=True)
         sizes = jnp.bincount(il, length=G).astype(jnp.int32)
-        out = op(xl[order], wl, sizes, transpose_rhs=transpose, rhs_gather=gather_dims)
+        out = op(
+            xl[order],
+            wl,
+            sizes,
+            transpose_rhs=transpose,
+            rhs_gather=gather_dims,
+            gather_jointly=jointly,
+        )
         return jax.lax.psum(jnp.sum(out.astype(jnp.float32) ** 2), ("a", "b"))
 
     f = jax.shard_map(
@@ -200,6 +209,21 @@ def main() -> None:
     w = rng.standard_normal((G, K, N)).astype(np.float32)
     out["all_gathers"] = {
         str(flag): run(mesh, "K_over_b", "blocked", None, x, w, ids, flag, count_gathers=True)[0]
+        for flag in (False, True)
+    }
+    # K over (a, b) all-gathered in one collective over both axes (WeightGather.jointly)
+    # against one axis at a time: the same blocks in the same order, the same reduce-scatters.
+    out["jointly_vs_per_axis"] = {}
+    for backend in ("ragged_dot", "blocked"):
+        joint = run(mesh, "K_over_ab", backend, None, x, w, ids, jointly=True)
+        per_axis = run(mesh, "K_over_ab", backend, None, x, w, ids)
+        out["jointly_vs_per_axis"][backend] = [
+            rel(a, u) for a, u in zip(joint, per_axis, strict=True)
+        ]
+    out["all_gathers_jointly"] = {
+        str(flag): run(
+            mesh, "K_over_ab", "blocked", None, x, w, ids, count_gathers=True, jointly=flag
+        )[0]
         for flag in (False, True)
     }
     # The layout whose slice is gathered with its last two dims swapped (gather.minor_swapped:

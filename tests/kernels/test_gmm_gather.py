@@ -74,6 +74,14 @@ def test_regathering_in_the_backward_is_bitwise_keeping_the_forward_copy(result)
         assert diffs == [0.0, 0.0, 0.0], (key, diffs)
 
 
+def test_gathering_both_axes_in_one_collective_is_bitwise_the_per_axis_gather(result):
+    # gather_jointly: one all-gather over (a, b) where there were two; an all-gather only moves
+    # data, and the blocks land in the same order, so every number is the same.
+    assert result["all_gathers_jointly"] == {"False": 2, "True": 1}, result
+    for backend, diffs in result["jointly_vs_per_axis"].items():
+        assert diffs == [0.0, 0.0, 0.0], (backend, diffs)
+
+
 def test_tiled_weight_gradient_equals_the_unsharded_gradient(result):
     # Against each shard's rows times the whole weight, no collectives: the forward and dlhs
     # are identical; the weight gradient sums 8 shards' partial gradients in another order
@@ -91,9 +99,14 @@ def test_tiled_weight_gradient_equals_the_unsharded_gradient(result):
         # Qwen3-30B-A3B experts on 32 chips: w_gate [E, D/32 gathered, F], w_down [E, F, D/32].
         ((128, 2048, 768), {1: 32}, 4, (2, 3)),  # 768 MiB f32 -> 3 x 256 MiB
         ((128, 768, 2048), {2: 32}, 4, (1, 3)),
-        ((128, 2048, 768), {1: 32}, 2, (2, 2)),  # bf16 reduction: 384 MiB -> 2 x 192 MiB
-        # Qwen3-235B-A22B: 3 GiB; 256-column tiles at the least, so 6 of 512 MiB.
+        # bf16 reduction: 384 MiB, one piece (GRAD_TILE_BYTES_16BIT)
+        ((128, 2048, 768), {1: 32}, 2, (2, 1)),
+        # Qwen3-235B-A22B: 3 GiB; 256-column tiles at the least, so 6 of 512 MiB; 1.5 GiB in
+        # bf16 (GRAD_TILE_BYTES_16BIT): 4 of 384 MiB.
         ((128, 4096, 1536), {1: 128}, 4, (2, 6)),
+        ((128, 4096, 1536), {1: 128}, 2, (2, 4)),
+        # DeepSeek-V3 [256, 7168, 2048] bf16 (7 GiB): 8 tiles of 256 columns at the least.
+        ((256, 7168, 2048), {1: 512}, 2, (2, 8)),
         # Both dims gathered (fsdp_tp): the one with more columns per shard.
         ((128, 2048, 768), {1: 32, 2: 4}, 4, (2, 3)),
         ((128, 2048, 768), {1: 4, 2: 2}, 4, (1, 4)),

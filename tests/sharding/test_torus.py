@@ -203,6 +203,60 @@ def test_gathering_one_split_axis_at_a_time_keeps_all_gathers():
     assert _gather_ops(mesh, [P("fsdp_outer"), P()]) == ["all-gather", "all-gather"]
 
 
+def test_gather_needs_the_split_only_over_three_dims_each_four_long():
+    # XLA:TPU's rule for all-gathers (the table above): an all-reduce over v5p:4x4x4 and
+    # larger, a real all-gather over a 3D group with a dim of 2, and over any 2D one.
+    assert torus._gather_needs_split(chips(4, 4, 4))
+    assert torus._gather_needs_split(chips(8, 4, 4))
+    assert not torus._gather_needs_split(chips(4, 4, 2))
+    assert not torus._gather_needs_split(chips(2, 4, 4))
+    assert not torus._gather_needs_split(chips(2, 2, 2))
+    assert not torus._gather_needs_split(chips(16, 16, 1))
+    assert not torus._gather_needs_split([SimpleNamespace(id=i) for i in range(64)])  # CPU
+
+
+def _joint_gather_ops(topology: str) -> tuple[bool, list[str]]:
+    """(torus.gathers_whole of the fsdp axis, the collective ops of a compiled shard_map that
+    all-gathers a 64 MiB bf16 weight over both halves of the split fsdp axis in one
+    collective, as gmm does with gather_jointly)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from moetext.kernels.gmm.gather import all_gather_dims
+
+    mesh = _fsdp_mesh(topology)
+    split, renames = torus.split_for_collectives(mesh, ["fsdp"])
+    pair = renames["fsdp"]
+    gather = jax.shard_map(
+        lambda w: all_gather_dims(w, ((0, pair),), jointly=True) * 2,
+        mesh=split,
+        in_specs=P(pair),
+        out_specs=P(),
+        check_vma=False,
+    )
+    w = jax.ShapeDtypeStruct(
+        (mesh.size * 128, 4096), jnp.bfloat16, sharding=NamedSharding(split, P(pair))
+    )
+    text = jax.jit(gather).lower(w).compile().as_text() or ""
+    ops = re.findall(r"= \S+ (all-gather|all-reduce)(?:-start)?\(", text)
+    return torus.gathers_whole(mesh, ["fsdp"]), ops
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize(
+    ("topology", "whole", "ops"),
+    [("v5p:4x4x2", True, ["all-gather"]), ("v5p:4x4x4", False, ["all-reduce"])],
+)
+def test_a_split_axis_is_gathered_in_one_collective_where_that_stays_an_all_gather(
+    topology, whole, ops
+):
+    # models/moe/ep.py gathers the experts' weights over both halves of a split fsdp axis at
+    # once exactly where torus.gathers_whole says so: there the compiled gather is one
+    # all-gather; on v5p:4x4x4 it would be an all-reduce, so the gather stays per half.
+    assert _joint_gather_ops(topology) == (whole, ops)
+
+
 def _dense_step_ops(topology: str, split_dense: bool) -> set[tuple[str, str]]:
     """The (op, result shapes) of the collectives of the compiled forward + backward of two
     FSDP dense projections and the fused LM-head loss under the fsdp preset's rules, with

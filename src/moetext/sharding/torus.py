@@ -31,6 +31,7 @@ where per-axis all-gathers use a 1D emitter (docs/sharding.md, "3D TPU slices").
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -99,6 +100,31 @@ def _inner_size(lines: list[list[object]], slice_size: int) -> int | None:
         if ok:
             return b
     return None
+
+
+def _gather_needs_split(group: Sequence[Any]) -> bool:
+    """Whether XLA:TPU lowers an all-gather over `group` as an all-reduce: the group spans
+    three torus dims, each at least MIN_SQUARE_SIDE chips long (v5p:4x4x4, 4x4x8, 8x4x4,
+    tpu7x:4x4x4; v5p:2x2x2, 2x4x4 and 4x4x2 keep the all-gather; docs/performance.md, the
+    table under "Expert-weight gradients")."""
+    if torus_dims(group) <= MAX_TORUS_DIMS:
+        return False
+    arr = np.asarray([d.coords for d in group])
+    return bool(np.all(arr.max(axis=0) - arr.min(axis=0) + 1 >= MIN_SQUARE_SIDE))
+
+
+def gathers_whole(mesh: Mesh, axes: Iterable[str]) -> bool:
+    """Whether an all-gather over all of `axes` at once (every group of devices that differ
+    only along them) stays an all-gather on XLA:TPU; True off TPU. Where it does, an axis
+    split by `split_for_collectives` (for its reduce-scatters) can still be gathered in one
+    collective (kernels/gmm/gather.py, `WeightGather.jointly`)."""
+    names = list(mesh.axis_names)
+    ks = [names.index(a) for a in dict.fromkeys(axes)]
+    if not ks:
+        return True
+    moved = np.moveaxis(mesh.devices, ks, list(range(-len(ks), 0)))
+    groups = moved.reshape(-1, math.prod(moved.shape[-len(ks) :]))
+    return not any(_gather_needs_split(list(g)) for g in groups)
 
 
 def split_for_collectives(mesh: Mesh, axes: Iterable[str]) -> tuple[Mesh, Renames]:

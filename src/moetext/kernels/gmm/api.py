@@ -94,6 +94,7 @@ class Gmm:
         group_offset: ArrayLike | None = None,
         existing_out: jax.Array | None = None,
         rhs_gather: Gather | None = None,
+        gather_jointly: bool = False,
         rows_covered: bool = False,
     ) -> jax.Array:
         """out[rows of g] = lhs[rows of g] @ rhs[g - group_offset] for the local groups g.
@@ -106,7 +107,9 @@ class Gmm:
         rhs_gather (inside shard_map): rhs is this shard's slice of the weights, split along
         the given (dim, mesh axes) pairs (kernels/gmm/gather.py). The recipe all-gathers it
         (cast to lhs.dtype, or quantized: fp8 QAG) and reduce-scatters its gradient, returned
-        in rhs's dtype. Shapes above are the gathered ones.
+        in rhs's dtype. Shapes above are the gathered ones. gather_jointly: all-gather each
+        dim's mesh axes in one collective rather than one axis at a time (the reduce-scatter
+        stays per axis; `WeightGather.jointly`).
 
         rows_covered: the caller guarantees sum(group_sizes) == M with every group local (no
         group_offset, G_local == len(group_sizes)), e.g. a dropless dispatch that sorted all
@@ -152,7 +155,9 @@ class Gmm:
             reduce_dtype = (
                 None if self.grad_reduce_dtype is None else jnp.dtype(self.grad_reduce_dtype)
             )
-            weights = WeightGather(gather, reduce_dtype, self.regather_weights)
+            weights = WeightGather(
+                gather, reduce_dtype, self.regather_weights, bool(gather_jointly)
+            )
             out = self.recipe.gathered_gmm(self.backend, lhs, rhs, sizes, call, weights)
         else:
             out = self.recipe.gmm(self.backend, lhs, rhs, sizes, call)
@@ -231,6 +236,7 @@ def gmm(
     existing_out: jax.Array | None = None,
     checked: bool = False,
     rhs_gather: Gather | None = None,
+    gather_jointly: bool = False,
     grad_reduce_dtype: DTypeLike | None = None,
     rows_covered: bool = False,
 ) -> jax.Array:
@@ -248,6 +254,7 @@ def gmm(
         group_offset=group_offset,
         existing_out=existing_out,
         rhs_gather=rhs_gather,
+        gather_jointly=gather_jointly,
         rows_covered=rows_covered,
     )
 

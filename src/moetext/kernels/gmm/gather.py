@@ -45,12 +45,19 @@ Gather = tuple[tuple[int, tuple[str, ...]], ...]
 class WeightGather:
     """How a gmm gets a sharded weight slice (`Recipe.gathered_gmm`): the (dim, mesh axes)
     pairs it is gathered along, the dtype its gradient is reduce-scattered in (None: the
-    slice's own), and whether the backward gathers it again instead of keeping the forward's
-    gathered copy (`Gmm.regather_weights`)."""
+    slice's own), whether the backward gathers it again instead of keeping the forward's
+    gathered copy (`Gmm.regather_weights`), and whether each dim's mesh axes are all-gathered
+    in one collective (`jointly`; the gradient's reduce-scatter stays one axis at a time).
+
+    Why jointly: a mesh axis split in two for XLA:TPU's sake (sharding/torus.py) needs the
+    split for its reduce-scatters, but on most slices (v5p:4x4x2, 2x4x4, 2D ones) not for its
+    all-gathers; gathered in two stages the weight is written to HBM half-gathered and read
+    back (moetext.models.moe.ep sets it where the whole gather stays an all-gather)."""
 
     dims: Gather
     reduce_dtype: jnp.dtype | None = None
     regather: bool = False
+    jointly: bool = False
 
 
 def check_gather(gather: Iterable[Any] | None, ndim: int) -> Gather:
@@ -124,9 +131,13 @@ def minor_swapped(shape: tuple[int, ...], gather: Gather) -> Gather | None:
     return tuple((1 if d == 2 else d, axes) for d, axes in gather)
 
 
-def all_gather_dims(x: jax.Array, gather: Gather) -> jax.Array:
-    """x all-gathered (tiled) along each (dim, axes) in order; a tuple of axes innermost first."""
+def all_gather_dims(x: jax.Array, gather: Gather, jointly: bool = False) -> jax.Array:
+    """x all-gathered (tiled) along each (dim, axes) in order; a tuple of axes innermost first,
+    or (jointly) in one collective over the tuple, which puts the blocks in the same order."""
     for dim, axes in gather:
+        if jointly and len(axes) > 1:
+            x = jax.lax.all_gather(x, axes, axis=dim, tiled=True)
+            continue
         for axis in reversed(axes):
             x = jax.lax.all_gather(x, axis, axis=dim, tiled=True)
     return x
@@ -169,25 +180,34 @@ def narrow(w: jax.Array, dtype: DTypeLike) -> jax.Array:
 
 # --- the weight gradient, a tile at a time -----------------------------------------------------
 
-# A gathered weight's gradient is computed and reduce-scattered in tiles of at most this many
-# bytes (full size, in the reduction dtype), each at least MIN_TILE_COLS wide along the tiled
-# dim: 30B experts [128, 2048, 768] f32 (768 MiB) go in 3 tiles, 235B's [128, 4096, 1536]
-# (3 GiB) in 6 of 512 MiB (256 columns each).
+# A gathered weight's gradient is computed and reduce-scattered in tiles of at most
+# GRAD_TILE_BYTES (full size, in the reduction dtype; GRAD_TILE_BYTES_16BIT when that dtype is
+# bf16 or f16), each at least MIN_TILE_COLS wide along the tiled dim. Each tile's tgmm reads the
+# whole dout (or lhs) again, so fewer tiles move fewer HBM bytes, and larger tiles hold more
+# memory. Measured on v5p (docs/performance.md): the 30B experts' [128, 2048, 768] gradient
+# reduced in bf16 (384 MiB, the pod configs') in one piece instead of 2 tiles takes 101 GB
+# fewer HBM bytes per step on v5p-64 at the same peak memory; reduced in f32 (768 MiB), 2 tiles
+# of 384 MiB instead of 3 of 256 cost 0.61 GiB more per chip (the 2-layer step of
+# tests/sharding/test_aot.py), so f32 keeps 256 MiB. 235B's [128, 4096, 1536]: 4 tiles in bf16,
+# 6 of 512 MiB in f32 (256 columns each, the least).
 GRAD_TILE_BYTES = 256 * 2**20
+GRAD_TILE_BYTES_16BIT = 384 * 2**20
 MIN_TILE_COLS = 256
 
 
 @contextlib.contextmanager
 def grad_tile_limits(max_bytes: int, min_cols: int) -> Iterator[None]:
-    """GRAD_TILE_BYTES and MIN_TILE_COLS set for what is traced inside (restored after): small
-    values make small test shapes go through several tiles, as full-size weights do."""
-    global GRAD_TILE_BYTES, MIN_TILE_COLS
-    saved = GRAD_TILE_BYTES, MIN_TILE_COLS
-    GRAD_TILE_BYTES, MIN_TILE_COLS = max_bytes, min_cols
+    """GRAD_TILE_BYTES (both) and MIN_TILE_COLS set for what is traced inside (restored
+    after): small values make small test shapes go through several tiles, as full-size weights
+    do."""
+    global GRAD_TILE_BYTES, GRAD_TILE_BYTES_16BIT, MIN_TILE_COLS
+    saved = GRAD_TILE_BYTES, GRAD_TILE_BYTES_16BIT, MIN_TILE_COLS
+    GRAD_TILE_BYTES = GRAD_TILE_BYTES_16BIT = max_bytes
+    MIN_TILE_COLS = min_cols
     try:
         yield
     finally:
-        GRAD_TILE_BYTES, MIN_TILE_COLS = saved
+        GRAD_TILE_BYTES, GRAD_TILE_BYTES_16BIT, MIN_TILE_COLS = saved
 
 
 def grad_tiles(shape: tuple[int, ...], shards: dict[int, int], itemsize: int) -> tuple[int, int]:
@@ -195,19 +215,21 @@ def grad_tiles(shape: tuple[int, ...], shards: dict[int, int], itemsize: int) ->
     shape [G, K, N] whose dims are split into shards[dim] slices (absent: 1), reduced in
     itemsize-byte elements. It tiles dim 2 or 1, an ungathered one if there is one (contiguous
     column tiles), else the one with more columns per shard; count is the fewest tiles of at
-    most GRAD_TILE_BYTES, each at least MIN_TILE_COLS wide, that divide each shard's columns
-    (the most that do when none is small enough)."""
+    most GRAD_TILE_BYTES (GRAD_TILE_BYTES_16BIT for 2-byte elements), each at least
+    MIN_TILE_COLS wide, that divide each shard's columns (the most that do when none is small
+    enough)."""
     split = {d: shards.get(d, 1) for d in (1, 2)}
     ungathered = [d for d in (2, 1) if split[d] == 1]
     dim = ungathered[0] if ungathered else max((2, 1), key=lambda d: shape[d] // split[d])
     per_shard = shape[dim] // split[dim]
     full_bytes = math.prod(shape) * itemsize
+    limit = GRAD_TILE_BYTES_16BIT if itemsize == 2 else GRAD_TILE_BYTES
     count = 1
     for c in range(1, per_shard + 1):
         if per_shard % c or shape[dim] // c < min(MIN_TILE_COLS, shape[dim]):
             continue
         count = c
-        if full_bytes // c <= GRAD_TILE_BYTES:
+        if full_bytes // c <= limit:
             break
     return dim, count
 
@@ -268,26 +290,33 @@ def reduce_scatter_tiled(
 
 
 def gather_weight(
-    w: jax.Array, gather: Gather, dtype: DTypeLike, reduce_dtype: DTypeLike | None = None
+    w: jax.Array,
+    gather: Gather,
+    dtype: DTypeLike,
+    reduce_dtype: DTypeLike | None = None,
+    jointly: bool = False,
 ) -> jax.Array:
-    """all_gather_dims(narrow(w, dtype)); the gradient is psum_scatter'ed in reduce_dtype
-    (default w.dtype) and returned in w.dtype."""
+    """all_gather_dims(narrow(w, dtype), gather, jointly); the gradient is psum_scatter'ed in
+    reduce_dtype (default w.dtype) and returned in w.dtype."""
     if not gather:
         return w.astype(dtype)
     rd = None if reduce_dtype is None else jnp.dtype(reduce_dtype)
-    out: jax.Array = _gather_cast(gather, jnp.dtype(dtype), jnp.dtype(w.dtype), rd, w)
+    out: jax.Array = _gather_cast(
+        gather, jnp.dtype(dtype), jnp.dtype(w.dtype), rd, bool(jointly), w
+    )
     return out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
 def _gather_cast(
     gather: Gather,
     dtype: jnp.dtype,
     w_dtype: jnp.dtype,
     reduce_dtype: jnp.dtype | None,
+    jointly: bool,
     w: jax.Array,
 ) -> jax.Array:
-    return all_gather_dims(narrow(w, dtype), gather)
+    return all_gather_dims(narrow(w, dtype), gather, jointly)
 
 
 def _gather_cast_fwd(
@@ -295,9 +324,10 @@ def _gather_cast_fwd(
     dtype: jnp.dtype,
     w_dtype: jnp.dtype,
     reduce_dtype: jnp.dtype | None,
+    jointly: bool,
     w: jax.Array,
 ) -> tuple[jax.Array, None]:
-    out: jax.Array = _gather_cast(gather, dtype, w_dtype, reduce_dtype, w)
+    out: jax.Array = _gather_cast(gather, dtype, w_dtype, reduce_dtype, jointly, w)
     return out, None
 
 
@@ -306,6 +336,7 @@ def _gather_cast_bwd(
     dtype: jnp.dtype,
     w_dtype: jnp.dtype,
     reduce_dtype: jnp.dtype | None,
+    jointly: bool,
     _: None,
     g: jax.Array,
 ) -> tuple[jax.Array]:

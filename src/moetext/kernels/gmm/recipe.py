@@ -97,7 +97,7 @@ class Recipe(abc.ABC):
                 f"regather_weights is not implemented by the {self.name!r} recipe's gathered "
                 f"gmm; it is by quantization 'none'"
             )
-        full = gather_weight(rhs, gather.dims, lhs.dtype, gather.reduce_dtype)
+        full = gather_weight(rhs, gather.dims, lhs.dtype, gather.reduce_dtype, gather.jointly)
         return self.gmm(backend, lhs, full, group_sizes, call)
 
     def store_residual(self, backend: GmmBackend, x: jax.Array) -> Any:
@@ -245,7 +245,7 @@ def _gathered_gmm_fwd(
 ) -> tuple[Array, _Res]:
     be, gather, _ = s
     # The slice travels in the compute dtype (bf16 on the wire, not the f32 master weights).
-    full = all_gather_dims(narrow(w, lhs.dtype), gather.dims)
+    full = all_gather_dims(narrow(w, lhs.dtype), gather.dims, gather.jointly)
     out = be.gmm(lhs, full, group_sizes, call)
     # Keeping `full` holds one gathered weight per gmm from the forward (under remat: the
     # recomputed forward) to its backward, and XLA starts the next layer's gathers early, so
@@ -260,7 +260,7 @@ def _gathered_gmm_bwd(s: _GatheredStatic, res: _Res, dout: Array) -> _Grads:
         # The barrier ties the gather to the backward (it needs dout) and keeps XLA from
         # merging it with the forward's identical gather, which would keep that copy alive.
         w, dout = optimization_barrier((kept, dout))
-        full = all_gather_dims(narrow(w, lhs.dtype), gather.dims)
+        full = all_gather_dims(narrow(w, lhs.dtype), gather.dims, gather.jointly)
     else:
         full = kept
     dlhs = be.gmm(dout, full, group_sizes, dlhs_call(call, lhs.dtype))

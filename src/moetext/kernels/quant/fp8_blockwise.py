@@ -306,6 +306,7 @@ def _qag_gmm_fwd(
         axis=None if r.tiled_weights else contract,
         block_size=r.block_size,
         dtype=r.fwd_dtype,
+        jointly=s.gather.jointly,
     )
     out, lhs_res = _forward(g, lhs, rq, group_sizes, call)
     rhs_res = rq

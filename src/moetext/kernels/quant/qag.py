@@ -59,11 +59,13 @@ def quantized_all_gather(
     axis: int | None,
     block_size: int = 128,
     dtype: DTypeLike = E4M3,
+    jointly: bool = False,
 ) -> Quantized:
     """Quantized.of(all_gather_dims(x, gather), axis=axis, ...) with FP8 on the wire.
 
     x: this shard's slice (inside shard_map, with the gather's mesh axes bound). axis: the
-    blocked axis, or None for block_size x block_size tiles of the last two axes.
+    blocked axis, or None for block_size x block_size tiles of the last two axes. jointly:
+    each dim's mesh axes gathered in one collective (`all_gather_dims`).
     """
     gather = check_gather(gather, x.ndim)
     bs = int(block_size)
@@ -73,7 +75,7 @@ def quantized_all_gather(
 
     # 1-2: sub-block amaxes of every shard.
     xp, view, red = _sub_blocks(x, sub)
-    amax = all_gather_dims(jnp.max(jnp.abs(view), axis=red), gather)
+    amax = all_gather_dims(jnp.max(jnp.abs(view), axis=red), gather, jointly)
     # 3: block amax -> scales, global.
     for d in blocked:
         r = bs // sub[d]
@@ -94,4 +96,6 @@ def quantized_all_gather(
             s_loc = jax.lax.dynamic_slice_in_dim(s_loc, p * n, n, axis=d)
     q = to_fp8(view, jnp.expand_dims(s_loc, red), dtype).reshape(xp.shape)
     q = q[tuple(slice(0, n) for n in x.shape)]
-    return Quantized(all_gather_dims(q, gather), scale, None if axis is None else blocked[0], bs)
+    return Quantized(
+        all_gather_dims(q, gather, jointly), scale, None if axis is None else blocked[0], bs
+    )

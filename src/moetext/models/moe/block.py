@@ -188,14 +188,15 @@ class MoEBlock(nnx.Module):
         routing = self._route(x_TD, segment_ids_BS)
         per_layer: dict[str, jax.Array] = {}
         if self.cfg.dispatch == "dropless":
-            y_TKD, dropped = self._dropless(x_TD, routing.ids_TK), jnp.zeros((), jnp.float32)
+            y_TD = self._dropless(x_TD, routing.ids_TK, routing.weights_TK)
+            dropped = jnp.zeros((), jnp.float32)
         else:
             valid_T = None if segment_ids_BS is None else segment_ids_BS.reshape(-1) > 0
             y_TKD, dropped = self._capacity(x_TD, routing.ids_TK, valid_T)
             per_layer[DROPPED_KEY] = dropped
+            y_TD = dsp.combine(y_TKD, routing.weights_TK, self.dtype)
         if _CAPTURE.get():
             per_layer[IDS_KEY] = routing.ids_TK
-        y_TD = dsp.combine(y_TKD, routing.weights_TK, self.dtype)
         if self.shared is not None:
             y_TD = y_TD + self._shared(x_TD)
         aux = {
@@ -279,15 +280,16 @@ class MoEBlock(nnx.Module):
             shared_TD = gate_T1 * shared_TD
         return shared_TD
 
-    def _dropless(self, x_TD: jax.Array, ids_TK: jax.Array) -> jax.Array:
+    def _dropless(self, x_TD: jax.Array, ids_TK: jax.Array, weights_TK: jax.Array) -> jax.Array:
+        """y_TD: the routed experts' outputs combined by weights_TK."""
         # The sharding rules, not a flag, decide: tokens or experts split over mesh axes of
         # size > 1 mean a per-shard dispatch in shard_map (with an all-to-all when "exp" is).
         layout = ep.layout_from_context(self.cfg.num_experts)
         if layout is not None:
-            return ep.dropless(layout, x_TD, ids_TK, self.experts, self.gmm)
+            return ep.dropless(layout, x_TD, ids_TK, self.experts, self.gmm, weights_TK)
         xs_MD, group_sizes_E, order_M = dsp.permute(x_TD, ids_TK, self.cfg.num_experts)
         ys_MD = self.experts.grouped(xs_MD, group_sizes_E, self.gmm)
-        return dsp.unpermute(ys_MD, order_M, ids_TK.shape[1])
+        return dsp.unpermute_combine(ys_MD, order_M, weights_TK, self.dtype)
 
     def _capacity(
         self, x_TD: jax.Array, ids_TK: jax.Array, valid_T: jax.Array | None

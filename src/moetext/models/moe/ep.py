@@ -23,8 +23,9 @@ FP8 on the wire under fp8_blockwise's qag).
 
 On a 3D TPU slice the shard_map's mesh is the run's mesh with each weight-gather axis that spans
 three torus dims split in two (`_split`, sharding/torus.py): same devices, same shards, but the
-weights' all-gathers and their gradients' reduce-scatters run per sub-axis, which XLA:TPU keeps
-as real all-gathers / reduce-scatters instead of all-reduces.
+gradients' reduce-scatters run per sub-axis, which XLA:TPU keeps as real reduce-scatters instead
+of all-reduces. The weights' all-gathers run per sub-axis only on the slices that need it for
+them too (v5p:4x4x4 and larger); elsewhere each is one all-gather over the pair.
 
 Shard p owns experts [p*L, (p+1)*L): the weights are split along E on the exp axes, so their
 dim-0 block p is exactly those experts. Routing and the aux losses stay outside, on the global
@@ -65,7 +66,10 @@ TOKEN_NAMES = ("batch", "length")
 ragged_all_to_all: Callable[..., jax.Array] = jax.lax.ragged_all_to_all
 
 # What runs per shard inside shard_map: (x_tD, ids_tK, w_gate, w_up, w_down) -> y_tKD.
-ShardBody = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+# (x_tD, ids_tK, w_gate, w_up, w_down, weights_tK or None) -> y_tKD, or y_tD when combined.
+ShardBody = Callable[
+    [jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array | None], jax.Array
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +83,8 @@ class EPLayout:
     w_in_spec: PartitionSpec
     w_out_spec: PartitionSpec
     exchange: str  # "ragged" | "padded" | "none" (P = 1)
+    # All-gather each weight dim's (split) mesh axes in one collective (`_split`).
+    gather_jointly: bool = False
 
     @property
     def token_shards(self) -> int:
@@ -142,8 +148,17 @@ def _split(layout: EPLayout) -> EPLayout:
     )
     if not renames:
         return layout
+    # The split is for the gradients' reduce-scatters; where the whole gather of each weight
+    # dim stays an all-gather (all but the largest 3D slices), gathering it in one collective
+    # spares the half-gathered weight's round trip through HBM.
+    jointly = all(
+        torus.gathers_whole(layout.mesh, ax)
+        for spec in (layout.w_in_spec, layout.w_out_spec)
+        for _, ax in weight_gather(spec)
+    )
     return dataclasses.replace(
         layout,
+        gather_jointly=jointly,
         mesh=mesh,
         token_axes=torus.rename_axes(layout.token_axes, renames),
         w_in_spec=torus.rename_spec(layout.w_in_spec, renames),
@@ -166,10 +181,17 @@ def weight_gather(spec: PartitionSpec) -> gmm_lib.Gather:
 
 
 def dropless(
-    layout: EPLayout, x_TD: jax.Array, ids_TK: jax.Array, experts: Experts, gmm: Gmm
+    layout: EPLayout,
+    x_TD: jax.Array,
+    ids_TK: jax.Array,
+    experts: Experts,
+    gmm: Gmm,
+    weights_TK: jax.Array | None = None,
 ) -> jax.Array:
     """y_TKD = expert_{ids[t, k]}(x_t) for every assignment, tokens split over the token axes
-    and experts over the exp axes (none when P = 1).
+    and experts over the exp axes (none when P = 1); given weights_TK, their combination y_TD
+    = sum_k weights[t, k] * y_TKD[t, k] in the experts' dtype, formed inside each shard
+    (`dispatch.unpermute_combine`: its backward gathers where unpermute's scatters).
 
     `experts` is the block's `Experts` module (stacked global weights [E, D, F] / [E, F, D]);
     `gmm` the block's grouped matmul.
@@ -189,13 +211,26 @@ def dropless(
     fn = jax.shard_map(
         body,
         mesh=layout.mesh,
-        in_specs=(tok, tok, layout.w_in_spec, layout.w_in_spec, layout.w_out_spec),
+        in_specs=(tok, tok, layout.w_in_spec, layout.w_in_spec, layout.w_out_spec, tok),
         out_specs=tok,
         # The gmm backends build loop carries from fresh zeros (no varying-mesh-axis type), which
         # the vma checker rejects; the specs above state the replication exactly instead.
         check_vma=False,
     )
-    return fn(x_TD, ids_TK, w_gate, w_up, experts.w_down[...])
+    return fn(x_TD, ids_TK, w_gate, w_up, experts.w_down[...], weights_TK)
+
+
+def _back_to_tokens(
+    ys_mD: jax.Array,
+    order_m: jax.Array,
+    k: int,
+    weights_tK: jax.Array | None,
+    dtype: DTypeLike,
+) -> jax.Array:
+    """Sorted rows back in token order: y_tKD, or combined by weights_tK into y_tD."""
+    if weights_tK is None:
+        return dsp.unpermute(ys_mD, order_m, k)
+    return dsp.unpermute_combine(ys_mD, order_m, weights_tK, dtype)
 
 
 def _local_body(layout: EPLayout, num_experts: int, dtype: DTypeLike, gmm: Gmm) -> ShardBody:
@@ -203,11 +238,16 @@ def _local_body(layout: EPLayout, num_experts: int, dtype: DTypeLike, gmm: Gmm) 
     all-gathers (and, in the backward pass, their reduce-scatters)."""
 
     def body(
-        x_tD: jax.Array, ids_tK: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
+        x_tD: jax.Array,
+        ids_tK: jax.Array,
+        w_gate: jax.Array,
+        w_up: jax.Array,
+        w_down: jax.Array,
+        weights_tK: jax.Array | None,
     ) -> jax.Array:
         xs_mD, sizes_E, order_m = dsp.permute(x_tD.astype(dtype), ids_tK, num_experts)
         ys_mD = _swiglu(layout, xs_mD, (w_gate, w_up, w_down), sizes_E, None, gmm, dtype)
-        return dsp.unpermute(ys_mD, order_m, ids_tK.shape[1])
+        return _back_to_tokens(ys_mD, order_m, ids_tK.shape[1], weights_tK, dtype)
 
     return body
 
@@ -217,7 +257,12 @@ def _shard_body(layout: EPLayout, num_experts: int, dtype: DTypeLike, gmm: Gmm) 
     n_local = num_experts // p
 
     def body(
-        x_tD: jax.Array, ids_tK: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
+        x_tD: jax.Array,
+        ids_tK: jax.Array,
+        w_gate: jax.Array,
+        w_up: jax.Array,
+        w_down: jax.Array,
+        weights_tK: jax.Array | None,
     ) -> jax.Array:
         me = jax.lax.axis_index(axes)
         k = ids_tK.shape[1]
@@ -245,7 +290,7 @@ def _shard_body(layout: EPLayout, num_experts: int, dtype: DTypeLike, gmm: Gmm) 
             jnp.zeros_like(sort_R).at[sort_R].set(jnp.arange(sort_R.shape[0], dtype=jnp.int32))
         )
         ys_mD = ex.backward(dsp.rows(ys_RD, unsort_R, unique=True))
-        return dsp.unpermute(ys_mD, order_m, k)
+        return _back_to_tokens(ys_mD, order_m, k, weights_tK, dtype)
 
     return body
 
@@ -274,6 +319,7 @@ def _swiglu(
                 preferred_element_type=dtype,
                 group_offset=group_offset,
                 rhs_gather=weight_gather(spec),
+                gather_jointly=layout.gather_jointly,
                 # P = 1 (no offset): all M sorted rows belong to the local experts.
                 rows_covered=group_offset is None,
             )
