@@ -183,15 +183,17 @@ def narrow(w: jax.Array, dtype: DTypeLike) -> jax.Array:
 # A gathered weight's gradient is computed and reduce-scattered in tiles of at most
 # GRAD_TILE_BYTES (full size, in the reduction dtype; GRAD_TILE_BYTES_16BIT when that dtype is
 # bf16 or f16), each at least MIN_TILE_COLS wide along the tiled dim. Each tile's tgmm reads the
-# whole dout (or lhs) again, so fewer tiles move fewer HBM bytes, and larger tiles hold more
-# memory. Measured on v5p (docs/performance.md): the 30B experts' [128, 2048, 768] gradient
-# reduced in bf16 (384 MiB, the pod configs') in one piece instead of 2 tiles takes 101 GB
-# fewer HBM bytes per step on v5p-64 at the same peak memory; reduced in f32 (768 MiB), 2 tiles
-# of 384 MiB instead of 3 of 256 cost 0.61 GiB more per chip (the 2-layer step of
-# tests/sharding/test_aot.py), so f32 keeps 256 MiB. 235B's [128, 4096, 1536]: 4 tiles in bf16,
-# 6 of 512 MiB in f32 (256 columns each, the least).
+# whole dout (or lhs) again, so fewer tiles move fewer HBM bytes, and larger tiles may hold more
+# memory. Measured on v5p (docs/performance.md, "TPU step cost against MaxText"): reduced in
+# bf16 (the pod configs), the 30B experts' [128, 2048, 768] gradient (384 MiB) in one piece
+# instead of 2 tiles takes 101 GB fewer HBM bytes per step on v5p-64, 235B's [128, 4096, 1536]
+# (1.5 GiB) in one piece instead of 4 tiles 419 GB fewer on v5p-256, each at the same peak
+# memory; reduced in f32, the 30B gradient (768 MiB) in 2 tiles of 384 MiB instead of 3 of 256
+# cost 0.61 GiB more per chip (the 2-layer step of tests/sharding/test_aot.py), so f32 keeps
+# 256 MiB (235B: 6 tiles of 512 MiB, 256 columns each, the least). DeepSeek-V3's [256, 7168,
+# 2048] bf16 gradient (7 GiB) stays in 8 tiles of 256 columns.
 GRAD_TILE_BYTES = 256 * 2**20
-GRAD_TILE_BYTES_16BIT = 384 * 2**20
+GRAD_TILE_BYTES_16BIT = 1536 * 2**20
 MIN_TILE_COLS = 256
 
 
