@@ -57,10 +57,12 @@ def torus_dims(devices: Sequence[object]) -> int:
     return int(np.sum(arr.min(axis=0) != arr.max(axis=0)))
 
 
-def _lines(devices: np.ndarray, k: int) -> list[list[object]]:
-    """Every 1D run of devices along mesh axis k (the other mesh indices fixed)."""
-    moved = np.moveaxis(devices, k, -1)
-    return [list(row) for row in moved.reshape(-1, moved.shape[-1])]
+def _lines(devices: np.ndarray, k: int | Sequence[int]) -> list[list[object]]:
+    """Every run of devices along mesh axis k, or along all of the axes k (the other mesh
+    indices fixed): one group per combination of the other indices."""
+    ks = [k] if isinstance(k, int) else list(k)
+    moved = np.moveaxis(devices, ks, list(range(-len(ks), 0)))
+    return [list(row) for row in moved.reshape(-1, math.prod(moved.shape[-len(ks) :]))]
 
 
 def _whole_square_slice(group: Sequence[Any], slice_size: int) -> bool:
@@ -120,11 +122,7 @@ def gathers_whole(mesh: Mesh, axes: Iterable[str]) -> bool:
     collective (kernels/gmm/gather.py, `WeightGather.jointly`)."""
     names = list(mesh.axis_names)
     ks = [names.index(a) for a in dict.fromkeys(axes)]
-    if not ks:
-        return True
-    moved = np.moveaxis(mesh.devices, ks, list(range(-len(ks), 0)))
-    groups = moved.reshape(-1, math.prod(moved.shape[-len(ks) :]))
-    return not any(_gather_needs_split(list(g)) for g in groups)
+    return not ks or not any(_gather_needs_split(g) for g in _lines(mesh.devices, ks))
 
 
 def split_for_collectives(mesh: Mesh, axes: Iterable[str]) -> tuple[Mesh, Renames]:

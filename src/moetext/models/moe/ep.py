@@ -65,8 +65,8 @@ TOKEN_NAMES = ("batch", "length")
 # The ragged collective, looked up at call time so a test can substitute an emulation on CPU.
 ragged_all_to_all: Callable[..., jax.Array] = jax.lax.ragged_all_to_all
 
-# What runs per shard inside shard_map: (x_tD, ids_tK, w_gate, w_up, w_down) -> y_tKD.
-# (x_tD, ids_tK, w_gate, w_up, w_down, weights_tK or None) -> y_tKD, or y_tD when combined.
+# What runs per shard inside shard_map: (x_tD, ids_tK, w_gate, w_up, w_down, weights_tK or
+# None) -> y_tKD, or y_tD when combined by weights_tK.
 ShardBody = Callable[
     [jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array | None], jax.Array
 ]
