@@ -102,11 +102,13 @@ def test_tiled_weight_gradient_equals_the_unsharded_gradient(result):
         # bf16 reduction: 384 MiB, one piece (GRAD_TILE_BYTES_16BIT)
         ((128, 2048, 768), {1: 32}, 2, (2, 1)),
         # Qwen3-235B-A22B: 3 GiB; 256-column tiles at the least, so 6 of 512 MiB; 1.5 GiB in
-        # bf16 (GRAD_TILE_BYTES_16BIT): one piece.
+        # bf16 (GRAD_TILE_BYTES_16BIT): one piece, and so is gate|up fused (3 GiB).
         ((128, 4096, 1536), {1: 128}, 4, (2, 6)),
         ((128, 4096, 1536), {1: 128}, 2, (2, 1)),
-        # DeepSeek-V3 [256, 7168, 2048] bf16 (7 GiB): 8 tiles of 256 columns at the least.
-        ((256, 7168, 2048), {1: 512}, 2, (2, 8)),
+        ((128, 4096, 3072), {1: 128}, 2, (2, 1)),
+        # DeepSeek-V3 [256, 7168, 2048] bf16 (7 GiB): 4 tiles of 1.75 GiB (3 tiles do not
+        # divide the 2048 columns).
+        ((256, 7168, 2048), {1: 512}, 2, (2, 4)),
         # Both dims gathered (fsdp_tp): the one with more columns per shard.
         ((128, 2048, 768), {1: 32, 2: 4}, 4, (2, 3)),
         ((128, 2048, 768), {1: 4, 2: 2}, 4, (1, 4)),

@@ -200,9 +200,11 @@ class KernelsConfig:
     bwd_quantize: auto, qag: true} for fp8_blockwise (docs/kernels.md lists each recipe's);
     an unknown option fails at model build, naming the nearest valid one."""
     fuse_gate_up: bool | Literal["auto"] = resume_safe("auto")
-    """Run the experts' gate and up projections as one gmm on [w_gate | w_up]: xs is quantized
-    and kept once (FP8 residuals), but the FSDP step holds one [E, D, 2F] weight gradient
-    (more peak memory). auto = fused exactly when kernels.quantization is on."""
+    """Run the experts' gate and up projections as one gmm on [w_gate | w_up]: xs is read (and
+    under FP8 quantized and kept) once, and its gradient comes out of one gmm instead of two
+    summed; the weight gradient is one [E, D, 2F] array. auto = fused exactly when
+    kernels.quantization is on; the Qwen3 pod configs set true (fewer HBM bytes per step on
+    v5p, docs/performance.md "TPU step cost")."""
     grad_reduce_dtype: Literal["param", "bfloat16"] = resume_safe("param")
     """dtype of the reduce-scatter of sharded expert-weight gradients: param (the weights'
     dtype, f32 by default) or bfloat16 (half the bytes and the full-size gradient buffer; what

@@ -92,19 +92,25 @@ def swiglu_mlp(
 
     gmm.fuse_gate_up: gate and up run as one gmm on [w_gate | w_up] ([E, D, 2F]): xs is read
     once and, under FP8, quantized and kept for the backward once instead of twice (the layer's
-    largest residual), but the weight gradient is one [E, D, 2F] array, which in the FSDP train
-    step costs more peak memory than two [E, D, F] ones (docs/performance.md). Unfused: three
-    gmms. mm_in / mm_out(lhs, w) run the gmm for the input / output weights (they may
-    all-gather weight slices). gate_up_slices: how many slices of the F axis mm_in gathers; the
-    fused output columns then come as [slice, gate|up, F/slices] and are split accordingly.
+    largest residual), and the backward's dxs is one gmm rather than two and their sum; the
+    weight gradient is one [E, D, 2F] array (docs/performance.md). Unfused: three gmms.
+    mm_in / mm_out(lhs, w) run the gmm for the input / output weights (they may all-gather
+    weight slices). gate_up_slices: how many slices of the F axis mm_in gathers; the fused
+    output columns then come as [slice, gate|up, F/slices] and are split accordingly.
     """
     if not gmm.fuse_gate_up:
         h_MF = swiglu(mm_in(xs_MD, w_gate), mm_in(xs_MD, w_up), gmm=gmm)
         return mm_out(h_MF, w_down)
     gu = mm_in(xs_MD, jnp.concatenate([w_gate, w_up], axis=2))
     rows = gu.shape[0]
-    gu = gu.reshape(rows, gate_up_slices, 2, -1)
-    g_MF, u_MF = (gu[:, :, i].reshape(rows, -1) for i in (0, 1))
+    if gate_up_slices == 1:
+        # Column slices, not a reshape to [M, 1, 2, F]: on TPU that reshape changes the tiled
+        # layout, a copy of gu forward (twice under remat) and of its gradient backward.
+        f = gu.shape[1] // 2
+        g_MF, u_MF = gu[:, :f], gu[:, f:]
+    else:
+        gu = gu.reshape(rows, gate_up_slices, 2, -1)
+        g_MF, u_MF = (gu[:, :, i].reshape(rows, -1) for i in (0, 1))
     return mm_out(swiglu(g_MF, u_MF, gmm=gmm), w_down)
 
 
