@@ -1,5 +1,6 @@
 """kernels/activations.swiglu: the forward is JAX's silu(g) * u, the backward (which keeps only
-g and u) matches a float64 NumPy oracle, and under fp8_blockwise g and u are kept as FP8."""
+g and u) matches a float64 NumPy oracle, and under fp8_blockwise g and u are kept as FP8; with
+a per-row scale (the MoE routing weights) the same against the oracle, scale's gradient too."""
 
 import jax
 import jax.numpy as jnp
@@ -70,3 +71,33 @@ def test_quantizing_recipe_keeps_fp8_and_grads_use_them():
 def test_shape_mismatch_is_a_value_error():
     with pytest.raises(ValueError, match=r"gate \(4, 8\) and up \(4, 6\)"):
         swiglu(jnp.ones((4, 8)), jnp.ones((4, 6)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_scaled_rows_and_all_three_grads_match_float64(dtype):
+    # silu(g) * u * scale[:, None] in float32, rounded once; grads dg, du (dtype) and dscale
+    # (float32: a sum over F = 256 of float32 products) against the float64 oracle.
+    g, u, dh = _data(dtype)
+    scale = jnp.asarray(np.random.default_rng(1).random(64), jnp.float32)
+    out, vjp = jax.vjp(lambda g, u, s: swiglu(g, u, scale=s), g, u, scale)
+    g64, u64, s64, dh64 = (np.asarray(a, np.float64) for a in (g, u, scale, dh))
+    silu = g64 / (1 + np.exp(-g64))
+    want = silu * u64 * s64[:, None]
+    assert out.dtype == dtype
+    tol = 4e-6 if dtype == jnp.float32 else 2**-8  # as above: one rounding to dtype
+    assert np.max(np.abs(np.asarray(out, np.float64) - want)) / np.max(np.abs(want)) < tol
+    dg, du, ds = vjp(dh)
+    assert dg.dtype == du.dtype == dtype and ds.dtype == jnp.float32
+    want_g, want_u = _oracle(g, u, dh64 * s64[:, None])
+    want_s = np.sum(dh64 * silu * u64, axis=1)
+    for got, exp, t in ((dg, want_g, tol), (du, want_u, tol), (ds, want_s, 1e-5)):
+        err = np.max(np.abs(np.asarray(got, np.float64) - exp)) / np.max(np.abs(exp))
+        assert err < t, err
+    # It keeps g, u and the scale, nothing of the product.
+    kept = sorted((x.shape, jnp.dtype(x.dtype).name) for x in jax.tree_util.tree_leaves(vjp))
+    assert kept == sorted([(g.shape, jnp.dtype(dtype).name)] * 2 + [((64,), "float32")]), kept
+
+
+def test_scale_of_the_wrong_shape_is_a_value_error():
+    with pytest.raises(ValueError, match=r"scale must be \[M\] = \[4\].*got scale \(3,\)"):
+        swiglu(jnp.ones((4, 8)), jnp.ones((4, 8)), scale=jnp.ones((3,)))

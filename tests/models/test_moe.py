@@ -136,6 +136,23 @@ def test_unpermute_combine_is_autodiff_of_combine_after_unpermute_in_bf16():
     np.testing.assert_allclose(dw_a, dw_b, rtol=1e-6, atol=1e-6)
 
 
+def test_unpermute_sum_and_its_backward_keep_nothing_of_ys():
+    # y_TD = sum_k ys[sorted row of (t, k)] (rows scaled before, by swiglu's scale); the
+    # backward is dys[i] = dout[token of row i], and it keeps only the order (and a zero-size
+    # dtype marker), so a rematerialised forward need not recompute ys. float32 sums of K = 2.
+    ys, ids, dout = _rand(15, T * K, D), _ids(16), _rand(17, T, D)
+    _, _, order = dsp.permute(jnp.zeros((T, D)), jnp.asarray(ids), E)
+    row = np.argsort(np.asarray(order))
+    out, vjp = jax.vjp(lambda y: dsp.unpermute_sum(y, order, K, jnp.float32), jnp.asarray(ys))
+    np.testing.assert_allclose(out, ys.astype(np.float64)[row].reshape(T, K, D).sum(1), **TOL)
+    kept = sorted(x.size for x in jax.tree_util.tree_leaves(vjp))
+    assert kept == [0, T * K], kept
+    (dys,) = vjp(jnp.asarray(dout))
+    np.testing.assert_array_equal(np.asarray(dys), dout[np.asarray(order) // K])
+    with pytest.raises(ValueError, match=r"unpermute_sum: 7 rows are not T x K for K = 2"):
+        dsp.unpermute_sum(jnp.zeros((7, D)), jnp.zeros((7,), jnp.int32), K, jnp.float32)
+
+
 def test_capacity_slots_match_reference_count():
     ids = _ids(4)
     for cap in (1, 3, 5, T):

@@ -1,6 +1,7 @@
 """SwiGLU for the expert MLP, with a backward that keeps only the two inputs.
 
     h = swiglu(g, u, gmm=gmm)          # silu(g) * u, g and u [M, F]
+    h = swiglu(g, u, scale=w_M)        # silu(g) * u * w_M[:, None] (the MoE routing weights)
 
 JAX's own autodiff of `silu(g) * u` keeps five [M, F] arrays for the backward (g, u, the
 sigmoid, silu(g) and a product), which at Qwen3-30B-A3B shapes outweighs every gmm residual of
@@ -22,11 +23,26 @@ import jax.numpy as jnp
 from moetext.kernels.gmm.api import Gmm
 
 
-def swiglu(g: jax.Array, u: jax.Array, *, gmm: Gmm | None = None) -> jax.Array:
+def swiglu(
+    g: jax.Array, u: jax.Array, *, gmm: Gmm | None = None, scale: jax.Array | None = None
+) -> jax.Array:
     """silu(g) * u; the backward keeps g and u (as `gmm.store_residual` stores them, when
-    given; as they are otherwise)."""
+    given; as they are otherwise).
+
+    scale [M] (float32; g and u [M, F]): silu(g) * u * scale[:, None], computed in float32 and
+    rounded once to g's dtype, differentiable in scale too (the backward keeps scale besides g
+    and u, and forms d scale = sum_F dh * silu(g) * u in the same pass). The MoE layer scales
+    each expert row by its routing weight here, before the down projection, rather than the
+    projection's output in the combine (models/moe/experts.py: swiglu_mlp)."""
     if g.shape != u.shape:
         raise ValueError(f"swiglu: gate {g.shape} and up {u.shape} must have the same shape")
+    if scale is not None:
+        if g.ndim != 2 or scale.shape != g.shape[:1]:
+            raise ValueError(
+                f"swiglu: scale must be [M] = [{g.shape[0]}] for g and u [M, F], got scale "
+                f"{scale.shape} and g {g.shape}"
+            )
+        return _swiglu_scaled(gmm, jnp.dtype(g.dtype), jnp.dtype(u.dtype), g, u, scale)
     return _swiglu(gmm, jnp.dtype(g.dtype), jnp.dtype(u.dtype), g, u)
 
 
@@ -56,6 +72,13 @@ def _swiglu_bwd(
         if gmm is None
         else (gmm.load_residual(res[0], g_dtype), gmm.load_residual(res[1], u_dtype))
     )
+    return _grads(g, u, dh, g_dtype, u_dtype)
+
+
+def _grads(
+    g: jax.Array, u: jax.Array, dh: jax.Array, g_dtype: jnp.dtype, u_dtype: jnp.dtype
+) -> tuple[jax.Array, jax.Array]:
+    """(dg, du) of silu(g) * u for its cotangent dh, in float32, cast to g_dtype / u_dtype."""
     g32, u32, dh32 = (a.astype(jnp.float32) for a in (g, u, dh))
     sig = jax.nn.sigmoid(g32)
     dg = dh32 * u32 * sig * (1 + g32 * (1 - sig))  # d silu(g) / dg = s + g s (1 - s)
@@ -64,3 +87,51 @@ def _swiglu_bwd(
 
 
 _swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _swiglu_scaled(
+    gmm: Gmm | None,
+    g_dtype: jnp.dtype,
+    u_dtype: jnp.dtype,
+    g: jax.Array,
+    u: jax.Array,
+    scale: jax.Array,
+) -> jax.Array:
+    f32 = jnp.float32
+    h = jax.nn.silu(g.astype(f32)) * u.astype(f32) * scale.astype(f32)[:, None]
+    return h.astype(g_dtype)
+
+
+def _swiglu_scaled_fwd(
+    gmm: Gmm | None,
+    g_dtype: jnp.dtype,
+    u_dtype: jnp.dtype,
+    g: jax.Array,
+    u: jax.Array,
+    scale: jax.Array,
+) -> tuple[jax.Array, tuple[Any, Any, jax.Array]]:
+    res = (g, u) if gmm is None else (gmm.store_residual(g), gmm.store_residual(u))
+    return _swiglu_scaled(gmm, g_dtype, u_dtype, g, u, scale), (*res, scale)
+
+
+def _swiglu_scaled_bwd(
+    gmm: Gmm | None,
+    g_dtype: jnp.dtype,
+    u_dtype: jnp.dtype,
+    res: tuple[Any, Any, jax.Array],
+    dh: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    stored_g, stored_u, scale = res
+    g, u = (
+        (stored_g, stored_u)
+        if gmm is None
+        else (gmm.load_residual(stored_g, g_dtype), gmm.load_residual(stored_u, u_dtype))
+    )
+    g32, u32, dh32 = (a.astype(jnp.float32) for a in (g, u, dh))
+    dscale = jnp.sum(dh32 * jax.nn.silu(g32) * u32, axis=1).astype(scale.dtype)
+    dg, du = _grads(g, u, dh32 * scale.astype(jnp.float32)[:, None], g_dtype, u_dtype)
+    return dg, du, dscale
+
+
+_swiglu_scaled.defvjp(_swiglu_scaled_fwd, _swiglu_scaled_bwd)

@@ -288,8 +288,9 @@ class MoEBlock(nnx.Module):
         if layout is not None:
             return ep.dropless(layout, x_TD, ids_TK, self.experts, self.gmm, weights_TK)
         xs_MD, group_sizes_E, order_M = dsp.permute(x_TD, ids_TK, self.cfg.num_experts)
-        ys_MD = self.experts.grouped(xs_MD, group_sizes_E, self.gmm)
-        return dsp.unpermute_combine(ys_MD, order_M, weights_TK, self.dtype)
+        w_M = dsp.routing_weights_sorted(weights_TK, order_M)
+        ys_MD = self.experts.grouped(xs_MD, group_sizes_E, self.gmm, row_scale=w_M)
+        return dsp.unpermute_sum(ys_MD, order_M, ids_TK.shape[1], self.dtype)
 
     def _capacity(
         self, x_TD: jax.Array, ids_TK: jax.Array, valid_T: jax.Array | None

@@ -106,6 +106,50 @@ def _unpermute_combine_bwd(
 _unpermute_combine.defvjp(_unpermute_combine_fwd, _unpermute_combine_bwd)
 
 
+def routing_weights_sorted(weights_TK: jax.Array, order_M: jax.Array) -> jax.Array:
+    """[M] float32: each sorted row's routing weight (weights_TK flattened, in `permute`'s
+    order), to scale the row before the down projection."""
+    return rows(weights_TK.reshape(-1), order_M, unique=True).astype(jnp.float32)
+
+
+def unpermute_sum(ys_MD: jax.Array, order_M: jax.Array, k: int, dtype: DTypeLike) -> jax.Array:
+    """y_TD = sum_k unpermute(ys_MD, order_M, K)[:, k], accumulated in float32, cast to `dtype`:
+    the combine of rows already scaled by their routing weights (the MoE layer scales them
+    before the down projection, kernels/activations.swiglu's `scale`).
+
+    Its backward is one gather of dout per sorted row (dys = dout[token of the row]) and keeps
+    only order_M: nothing of ys, so under rematerialisation the recomputed forward needs no
+    down projection output (Qwen3-235B-A22B on v5p-256: one [M, F] x [F, D] gmm per layer less,
+    docs/performance.md)."""
+    if ys_MD.shape[0] % k:
+        raise ValueError(f"unpermute_sum: {ys_MD.shape[0]} rows are not T x K for K = {k}")
+    out: jax.Array = _unpermute_sum(k, jnp.dtype(dtype), ys_MD, order_M)
+    return out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _unpermute_sum(k: int, dtype: jnp.dtype, ys_MD: jax.Array, order_M: jax.Array) -> jax.Array:
+    y_TKD = unpermute(ys_MD, order_M, k)
+    return jnp.sum(y_TKD.astype(jnp.float32), axis=1).astype(dtype)
+
+
+def _unpermute_sum_fwd(
+    k: int, dtype: jnp.dtype, ys_MD: jax.Array, order_M: jax.Array
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    # The zero-size marker carries ys's dtype to the backward without keeping ys.
+    return _unpermute_sum(k, dtype, ys_MD, order_M), (order_M, jnp.zeros((0,), ys_MD.dtype))
+
+
+def _unpermute_sum_bwd(
+    k: int, dtype: jnp.dtype, res: tuple[jax.Array, jax.Array], dout_TD: jax.Array
+) -> tuple[jax.Array, None]:
+    order_M, like = res
+    return rows(dout_TD, order_M // k).astype(like.dtype), None
+
+
+_unpermute_sum.defvjp(_unpermute_sum_fwd, _unpermute_sum_bwd)
+
+
 def combine(y_TKD: jax.Array, weights_TK: jax.Array, dtype: DTypeLike) -> jax.Array:
     """sum_k weights[t, k] * y[t, k] accumulated in float32, cast to `dtype`."""
     out_TD = jnp.einsum("tkd,tk->td", y_TKD.astype(jnp.float32), weights_TK.astype(jnp.float32))

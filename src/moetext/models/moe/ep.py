@@ -246,8 +246,14 @@ def _local_body(layout: EPLayout, num_experts: int, dtype: DTypeLike, gmm: Gmm) 
         weights_tK: jax.Array | None,
     ) -> jax.Array:
         xs_mD, sizes_E, order_m = dsp.permute(x_tD.astype(dtype), ids_tK, num_experts)
-        ys_mD = _swiglu(layout, xs_mD, (w_gate, w_up, w_down), sizes_E, None, gmm, dtype)
-        return _back_to_tokens(ys_mD, order_m, ids_tK.shape[1], weights_tK, dtype)
+        k = ids_tK.shape[1]
+        if weights_tK is None:
+            ys_mD = _swiglu(layout, xs_mD, (w_gate, w_up, w_down), sizes_E, None, gmm, dtype)
+            return dsp.unpermute(ys_mD, order_m, k)
+        # The routing weights scale the rows before the down projection (dsp.unpermute_sum).
+        w_m = dsp.routing_weights_sorted(weights_tK, order_m)
+        ys_mD = _swiglu(layout, xs_mD, (w_gate, w_up, w_down), sizes_E, None, gmm, dtype, w_m)
+        return dsp.unpermute_sum(ys_mD, order_m, k, dtype)
 
     return body
 
@@ -303,11 +309,13 @@ def _swiglu(
     group_offset: jax.Array | None,
     gmm: Gmm,
     dtype: DTypeLike,
+    row_scale: jax.Array | None = None,
 ) -> jax.Array:
     """The local experts' SwiGLU on rows grouped by expert; rows of other experts come out 0.
 
     weights: this shard's slices (w_gate, w_up, w_down) in the parameter dtype; gmm gathers
     them along `weight_gather` in the compute dtype (or as FP8 under fp8_blockwise's qag).
+    row_scale: as in `swiglu_mlp`.
     """
 
     def mm(spec: PartitionSpec) -> MatMul:
@@ -339,6 +347,7 @@ def _swiglu(
         mm(layout.w_out_spec),
         gmm=gmm,
         gate_up_slices=slices,
+        row_scale=row_scale,
     )
 
 

@@ -46,9 +46,15 @@ class Experts(nnx.Module):
         self.w_up = make_param(rngs, init, (e, d, f), ("exp", "embed", "mlp_moe"), param_dtype)
         self.w_down = make_param(rngs, init, (e, f, d), ("exp", "mlp_moe", "embed"), param_dtype)
 
-    def grouped(self, xs_MD: jax.Array, group_sizes_E: jax.Array, gmm: Gmm) -> jax.Array:
+    def grouped(
+        self,
+        xs_MD: jax.Array,
+        group_sizes_E: jax.Array,
+        gmm: Gmm,
+        row_scale: jax.Array | None = None,
+    ) -> jax.Array:
         """Rows sorted by expert (group_sizes_E of them per expert, summing to M: every row is some
-        expert's) through their expert's MLP."""
+        expert's) through their expert's MLP (row_scale: as in `swiglu_mlp`)."""
         dt = self.dtype
 
         def mm(lhs: jax.Array, w: jax.Array) -> jax.Array:
@@ -56,7 +62,9 @@ class Experts(nnx.Module):
 
         w_gate, w_up = (w.astype(dt) for w in self.gate_up())
         w_down = self.w_down[...].astype(dt)
-        return swiglu_mlp(xs_MD.astype(dt), w_gate, w_up, w_down, mm, mm, gmm=gmm)
+        return swiglu_mlp(
+            xs_MD.astype(dt), w_gate, w_up, w_down, mm, mm, gmm=gmm, row_scale=row_scale
+        )
 
     def gate_up(self) -> tuple[jax.Array, jax.Array]:
         """(w_gate, w_up) [E, D, F], also after moe.decode.prefuse (halves of w_gate_up)."""
@@ -87,8 +95,13 @@ def swiglu_mlp(
     *,
     gmm: Gmm,
     gate_up_slices: int = 1,
+    row_scale: jax.Array | None = None,
 ) -> jax.Array:
     """The SwiGLU expert MLP on rows grouped by expert.
+
+    row_scale [M] (float32): each row's hidden activation is scaled by it before the down
+    projection (`swiglu(..., scale=)`): the routing weights, so the rows come out already
+    weighted for `dispatch.unpermute_sum`.
 
     gmm.fuse_gate_up: gate and up run as one gmm on [w_gate | w_up] ([E, D, 2F]): xs is read
     once and, under FP8, quantized and kept for the backward once instead of twice (the layer's
@@ -99,7 +112,7 @@ def swiglu_mlp(
     output columns then come as [slice, gate|up, F/slices] and are split accordingly.
     """
     if not gmm.fuse_gate_up:
-        h_MF = swiglu(mm_in(xs_MD, w_gate), mm_in(xs_MD, w_up), gmm=gmm)
+        h_MF = swiglu(mm_in(xs_MD, w_gate), mm_in(xs_MD, w_up), gmm=gmm, scale=row_scale)
         return mm_out(h_MF, w_down)
     gu = mm_in(xs_MD, jnp.concatenate([w_gate, w_up], axis=2))
     rows = gu.shape[0]
@@ -111,7 +124,7 @@ def swiglu_mlp(
     else:
         gu = gu.reshape(rows, gate_up_slices, 2, -1)
         g_MF, u_MF = (gu[:, :, i].reshape(rows, -1) for i in (0, 1))
-    return mm_out(swiglu(g_MF, u_MF, gmm=gmm), w_down)
+    return mm_out(swiglu(g_MF, u_MF, gmm=gmm, scale=row_scale), w_down)
 
 
 def gmm_from_config(kernels: KernelsConfig) -> Gmm:
