@@ -56,8 +56,7 @@ def _swiglu(
 def _swiglu_fwd(
     gmm: Gmm | None, g_dtype: jnp.dtype, u_dtype: jnp.dtype, g: jax.Array, u: jax.Array
 ) -> tuple[jax.Array, tuple[Any, Any]]:
-    res = (g, u) if gmm is None else (gmm.store_residual(g), gmm.store_residual(u))
-    return _swiglu(gmm, g_dtype, u_dtype, g, u), res
+    return _swiglu(gmm, g_dtype, u_dtype, g, u), _keep(gmm, g, u)
 
 
 def _swiglu_bwd(
@@ -67,12 +66,22 @@ def _swiglu_bwd(
     res: tuple[Any, Any],
     dh: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
-    g, u = (
-        res
-        if gmm is None
-        else (gmm.load_residual(res[0], g_dtype), gmm.load_residual(res[1], u_dtype))
-    )
+    g, u = _restore(gmm, res, g_dtype, u_dtype)
     return _grads(g, u, dh, g_dtype, u_dtype)
+
+
+def _keep(gmm: Gmm | None, g: jax.Array, u: jax.Array) -> tuple[Any, Any]:
+    """What the backward keeps of g and u: as `gmm.store_residual` stores them, when given."""
+    return (g, u) if gmm is None else (gmm.store_residual(g), gmm.store_residual(u))
+
+
+def _restore(
+    gmm: Gmm | None, kept: tuple[Any, Any], g_dtype: jnp.dtype, u_dtype: jnp.dtype
+) -> tuple[jax.Array, jax.Array]:
+    """g and u back from `_keep`."""
+    if gmm is None:
+        return kept[0], kept[1]
+    return gmm.load_residual(kept[0], g_dtype), gmm.load_residual(kept[1], u_dtype)
 
 
 def _grads(
@@ -111,8 +120,7 @@ def _swiglu_scaled_fwd(
     u: jax.Array,
     scale: jax.Array,
 ) -> tuple[jax.Array, tuple[Any, Any, jax.Array]]:
-    res = (g, u) if gmm is None else (gmm.store_residual(g), gmm.store_residual(u))
-    return _swiglu_scaled(gmm, g_dtype, u_dtype, g, u, scale), (*res, scale)
+    return _swiglu_scaled(gmm, g_dtype, u_dtype, g, u, scale), (*_keep(gmm, g, u), scale)
 
 
 def _swiglu_scaled_bwd(
@@ -123,11 +131,7 @@ def _swiglu_scaled_bwd(
     dh: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     stored_g, stored_u, scale = res
-    g, u = (
-        (stored_g, stored_u)
-        if gmm is None
-        else (gmm.load_residual(stored_g, g_dtype), gmm.load_residual(stored_u, u_dtype))
-    )
+    g, u = _restore(gmm, (stored_g, stored_u), g_dtype, u_dtype)
     g32, u32, dh32 = (a.astype(jnp.float32) for a in (g, u, dh))
     dscale = jnp.sum(dh32 * jax.nn.silu(g32) * u32, axis=1).astype(scale.dtype)
     dg, du = _grads(g, u, dh32 * scale.astype(jnp.float32)[:, None], g_dtype, u_dtype)
