@@ -1,4 +1,4 @@
-"""SwiGLU for the expert MLP, with a backward that keeps only the two inputs.
+"""SwiGLU for the expert MLP, with a backward that keeps only the two inputs (and the scale).
 
     h = swiglu(g, u, gmm=gmm)          # silu(g) * u, g and u [M, F]
     h = swiglu(g, u, scale=w_M)        # silu(g) * u * w_M[:, None] (the MoE routing weights)
@@ -9,7 +9,8 @@ the layer (docs/performance.md, "FP8"). This custom_vjp keeps g and u and recomp
 in the backward, in float32. g and u are kept the way the layer's `Gmm` keeps activations
 (`Gmm.store_residual`: FP8 values + block scales along F under fp8_blockwise, as DeepSeek-V3
 caches its SwiGLU inputs), so the layer's residuals shrink with the gmm's. The forward is the
-plain `jax.nn.silu(g) * u` in the inputs' dtype either way.
+plain `jax.nn.silu(g) * u` in the inputs' dtype either way; with a per-row scale it is computed
+in float32 and rounded once, and the backward keeps the scale too and returns its gradient.
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ routed rows (the all-reduced [T*K, D] arrays of docs/performance.md). Per shard:
     permute local rows by global expert id -> exchange per-expert counts (all_gather over the
     exp axes) -> rows to the shard owning their expert (all-to-all) -> sort received rows by
     local expert -> the SwiGLU's gmm calls (three; two under fuse_gate_up) with group_offset =
-    shard * L -> unsort -> rows back (reverse all-to-all) -> unpermute -> y_TKD (the block
-    combines with the routing weights)
+    shard * L -> unsort -> rows back (reverse all-to-all) -> unpermute -> y_TKD, or, given
+    the routing weights, y_TD combined inside the shard (P = 1: the weights scale the rows in
+    the SwiGLU, before the down gmm, and `dispatch.unpermute_sum` adds them up)
 
 P = 1 (presets fsdp, fsdp_tp: tokens sharded, experts not) is the degenerate case: no counts
 exchange and no all-to-all; each shard sorts its own t*K rows and runs gmm against all E experts
@@ -190,8 +191,11 @@ def dropless(
 ) -> jax.Array:
     """y_TKD = expert_{ids[t, k]}(x_t) for every assignment, tokens split over the token axes
     and experts over the exp axes (none when P = 1); given weights_TK, their combination y_TD
-    = sum_k weights[t, k] * y_TKD[t, k] in the experts' dtype, formed inside each shard
-    (`dispatch.unpermute_combine`: its backward gathers where unpermute's scatters).
+    = sum_k weights[t, k] * y_TKD[t, k] in the experts' dtype, formed inside each shard: for
+    P = 1 the weights scale each row in the SwiGLU, before the down projection, and
+    `dispatch.unpermute_sum` adds the rows up (its backward keeps nothing of them); for P > 1,
+    where rows cross shards between the two, `dispatch.unpermute_combine` weights them after
+    the down projection (its backward gathers where unpermute's scatters).
 
     `experts` is the block's `Experts` module (stacked global weights [E, D, F] / [E, F, D]);
     `gmm` the block's grouped matmul.
