@@ -37,106 +37,64 @@ def swiglu(
     projection's output in the combine (models/moe/experts.py: swiglu_mlp)."""
     if g.shape != u.shape:
         raise ValueError(f"swiglu: gate {g.shape} and up {u.shape} must have the same shape")
-    if scale is not None:
-        if g.ndim != 2 or scale.shape != g.shape[:1]:
-            raise ValueError(
-                f"swiglu: scale must be [M] = [{g.shape[0]}] for g and u [M, F], got scale "
-                f"{scale.shape} and g {g.shape}"
-            )
-        return _swiglu_scaled(gmm, jnp.dtype(g.dtype), jnp.dtype(u.dtype), g, u, scale)
-    return _swiglu(gmm, jnp.dtype(g.dtype), jnp.dtype(u.dtype), g, u)
+    if scale is not None and (g.ndim != 2 or scale.shape != g.shape[:1]):
+        raise ValueError(
+            f"swiglu: scale must be [M] = [{g.shape[0]}] for g and u [M, F], got scale "
+            f"{scale.shape} and g {g.shape}"
+        )
+    return _swiglu(gmm, jnp.dtype(g.dtype), jnp.dtype(u.dtype), g, u, scale)
+
+
+# scale is None (no scale: the plain product, no cotangent) or an [M] array.
+_Res = tuple[Any, Any, jax.Array | None]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _swiglu(
-    gmm: Gmm | None, g_dtype: jnp.dtype, u_dtype: jnp.dtype, g: jax.Array, u: jax.Array
-) -> jax.Array:
-    return jax.nn.silu(g) * u
-
-
-def _swiglu_fwd(
-    gmm: Gmm | None, g_dtype: jnp.dtype, u_dtype: jnp.dtype, g: jax.Array, u: jax.Array
-) -> tuple[jax.Array, tuple[Any, Any]]:
-    return _swiglu(gmm, g_dtype, u_dtype, g, u), _keep(gmm, g, u)
-
-
-def _swiglu_bwd(
-    gmm: Gmm | None,
-    g_dtype: jnp.dtype,
-    u_dtype: jnp.dtype,
-    res: tuple[Any, Any],
-    dh: jax.Array,
-) -> tuple[jax.Array, jax.Array]:
-    g, u = _restore(gmm, res, g_dtype, u_dtype)
-    return _grads(g, u, dh, g_dtype, u_dtype)
-
-
-def _keep(gmm: Gmm | None, g: jax.Array, u: jax.Array) -> tuple[Any, Any]:
-    """What the backward keeps of g and u: as `gmm.store_residual` stores them, when given."""
-    return (g, u) if gmm is None else (gmm.store_residual(g), gmm.store_residual(u))
-
-
-def _restore(
-    gmm: Gmm | None, kept: tuple[Any, Any], g_dtype: jnp.dtype, u_dtype: jnp.dtype
-) -> tuple[jax.Array, jax.Array]:
-    """g and u back from `_keep`."""
-    if gmm is None:
-        return kept[0], kept[1]
-    return gmm.load_residual(kept[0], g_dtype), gmm.load_residual(kept[1], u_dtype)
-
-
-def _grads(
-    g: jax.Array, u: jax.Array, dh: jax.Array, g_dtype: jnp.dtype, u_dtype: jnp.dtype
-) -> tuple[jax.Array, jax.Array]:
-    """(dg, du) of silu(g) * u for its cotangent dh, in float32, cast to g_dtype / u_dtype."""
-    g32, u32, dh32 = (a.astype(jnp.float32) for a in (g, u, dh))
-    sig = jax.nn.sigmoid(g32)
-    dg = dh32 * u32 * sig * (1 + g32 * (1 - sig))  # d silu(g) / dg = s + g s (1 - s)
-    du = dh32 * g32 * sig
-    return dg.astype(g_dtype), du.astype(u_dtype)
-
-
-_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _swiglu_scaled(
     gmm: Gmm | None,
     g_dtype: jnp.dtype,
     u_dtype: jnp.dtype,
     g: jax.Array,
     u: jax.Array,
-    scale: jax.Array,
+    scale: jax.Array | None,
 ) -> jax.Array:
+    if scale is None:
+        return jax.nn.silu(g) * u
     f32 = jnp.float32
     h = jax.nn.silu(g.astype(f32)) * u.astype(f32) * scale.astype(f32)[:, None]
     return h.astype(g_dtype)
 
 
-def _swiglu_scaled_fwd(
+def _swiglu_fwd(
     gmm: Gmm | None,
     g_dtype: jnp.dtype,
     u_dtype: jnp.dtype,
     g: jax.Array,
     u: jax.Array,
-    scale: jax.Array,
-) -> tuple[jax.Array, tuple[Any, Any, jax.Array]]:
-    return _swiglu_scaled(gmm, g_dtype, u_dtype, g, u, scale), (*_keep(gmm, g, u), scale)
+    scale: jax.Array | None,
+) -> tuple[jax.Array, _Res]:
+    kept = (g, u) if gmm is None else (gmm.store_residual(g), gmm.store_residual(u))
+    return _swiglu(gmm, g_dtype, u_dtype, g, u, scale), (*kept, scale)
 
 
-def _swiglu_scaled_bwd(
-    gmm: Gmm | None,
-    g_dtype: jnp.dtype,
-    u_dtype: jnp.dtype,
-    res: tuple[Any, Any, jax.Array],
-    dh: jax.Array,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _swiglu_bwd(
+    gmm: Gmm | None, g_dtype: jnp.dtype, u_dtype: jnp.dtype, res: _Res, dh: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     stored_g, stored_u, scale = res
-    g, u = _restore(gmm, (stored_g, stored_u), g_dtype, u_dtype)
+    g, u = (
+        (stored_g, stored_u)
+        if gmm is None
+        else (gmm.load_residual(stored_g, g_dtype), gmm.load_residual(stored_u, u_dtype))
+    )
     g32, u32, dh32 = (a.astype(jnp.float32) for a in (g, u, dh))
-    dscale = jnp.sum(dh32 * jax.nn.silu(g32) * u32, axis=1).astype(scale.dtype)
-    dg, du = _grads(g, u, dh32 * scale.astype(jnp.float32)[:, None], g_dtype, u_dtype)
-    return dg, du, dscale
+    dscale = None
+    if scale is not None:
+        dscale = jnp.sum(dh32 * jax.nn.silu(g32) * u32, axis=1).astype(scale.dtype)
+        dh32 = dh32 * scale.astype(jnp.float32)[:, None]
+    sig = jax.nn.sigmoid(g32)
+    dg = dh32 * u32 * sig * (1 + g32 * (1 - sig))  # d silu(g) / dg = s + g s (1 - s)
+    du = dh32 * g32 * sig
+    return dg.astype(g_dtype), du.astype(u_dtype), dscale
 
 
-_swiglu_scaled.defvjp(_swiglu_scaled_fwd, _swiglu_scaled_bwd)
+_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)

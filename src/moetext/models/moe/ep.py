@@ -251,12 +251,11 @@ def _local_body(layout: EPLayout, num_experts: int, dtype: DTypeLike, gmm: Gmm) 
     ) -> jax.Array:
         xs_mD, sizes_E, order_m = dsp.permute(x_tD.astype(dtype), ids_tK, num_experts)
         k = ids_tK.shape[1]
-        if weights_tK is None:
-            ys_mD = _swiglu(layout, xs_mD, (w_gate, w_up, w_down), sizes_E, None, gmm, dtype)
-            return dsp.unpermute(ys_mD, order_m, k)
         # The routing weights scale the rows before the down projection (dsp.unpermute_sum).
-        w_m = dsp.routing_weights_sorted(weights_tK, order_m)
+        w_m = None if weights_tK is None else dsp.routing_weights_sorted(weights_tK, order_m)
         ys_mD = _swiglu(layout, xs_mD, (w_gate, w_up, w_down), sizes_E, None, gmm, dtype, w_m)
+        if weights_tK is None:
+            return dsp.unpermute(ys_mD, order_m, k)
         return dsp.unpermute_sum(ys_mD, order_m, k, dtype)
 
     return body
