@@ -95,47 +95,6 @@ def test_permute_unpermute_round_trip():
     np.testing.assert_array_equal(np.asarray(back), np.repeat(x[:, None], K, axis=1))
 
 
-def test_unpermute_combine_and_its_gradients_match_the_float64_oracle():
-    # y_TD = sum_k w[t, k] * ys[sorted row of (t, k)]; its custom backward gathers dout per
-    # sorted row: dys[i] = w[t, k] * dout[t], dw[t, k] = <dout[t], ys[i]> for i = the row of
-    # (t, k). float32: each dw sums D = 32 products, inside 1e-5 of the O(1) results.
-    ys, ids, dout = _rand(7, T * K, D), _ids(8), _rand(9, T, D)
-    w = np.random.default_rng(10).random((T, K)).astype(np.float32)
-    _, _, order = dsp.permute(jnp.zeros((T, D)), jnp.asarray(ids), E)
-    row = np.argsort(np.asarray(order))  # row[t * K + k]: the sorted row of assignment (t, k)
-    y64 = ys.astype(np.float64)[row].reshape(T, K, D)
-    out, vjp = jax.vjp(
-        lambda y, w: dsp.unpermute_combine(y, order, w, jnp.float32), jnp.asarray(ys), w
-    )
-    np.testing.assert_allclose(out, np.einsum("tkd,tk->td", y64, w), **TOL)
-    dys, dw = vjp(jnp.asarray(dout))
-    expect_dys = np.zeros((T * K, D))
-    expect_dys[row] = (w[..., None] * dout[:, None].astype(np.float64)).reshape(T * K, D)
-    np.testing.assert_allclose(dys, expect_dys, **TOL)
-    np.testing.assert_allclose(dw, np.einsum("tkd,td->tk", y64, dout), **TOL)
-
-
-def test_unpermute_combine_is_autodiff_of_combine_after_unpermute_in_bf16():
-    # The training dtype: the same products cast the same way, so dys is bitwise autodiff's;
-    # dw (f32 sums over D of bf16 products) may sum in another order: f32 rounding, 1e-6.
-    ys, ids, dout = _rand(11, T * K, D), _ids(12), _rand(13, T, D)
-    w = np.random.default_rng(14).random((T, K)).astype(np.float32)
-    _, _, order = dsp.permute(jnp.zeros((T, D)), jnp.asarray(ids), E)
-    ys16, dout16 = jnp.asarray(ys, jnp.bfloat16), jnp.asarray(dout, jnp.bfloat16)
-
-    def fused(y, w):
-        return dsp.unpermute_combine(y, order, w, jnp.bfloat16)
-
-    def plain(y, w):
-        return dsp.combine(dsp.unpermute(y, order, K), w, jnp.bfloat16)
-
-    (a, vjp_a), (b, vjp_b) = jax.vjp(fused, ys16, w), jax.vjp(plain, ys16, w)
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    (dys_a, dw_a), (dys_b, dw_b) = vjp_a(dout16), vjp_b(dout16)
-    np.testing.assert_array_equal(np.asarray(dys_a, np.float32), np.asarray(dys_b, np.float32))
-    np.testing.assert_allclose(dw_a, dw_b, rtol=1e-6, atol=1e-6)
-
-
 def test_unpermute_sum_and_its_backward_keep_nothing_of_ys():
     # y_TD = sum_k ys[sorted row of (t, k)] (rows scaled before, by swiglu's scale); the
     # backward is dys[i] = dout[token of row i], and it keeps only the order (and a zero-size

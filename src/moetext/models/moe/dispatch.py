@@ -55,57 +55,6 @@ def unpermute(ys_MD: jax.Array, order_M: jax.Array, k: int) -> jax.Array:
     return rows(ys_MD, inverse_M, unique=True).reshape(m // k, k, d)
 
 
-def unpermute_combine(
-    ys_MD: jax.Array, order_M: jax.Array, weights_TK: jax.Array, dtype: DTypeLike
-) -> jax.Array:
-    """combine(unpermute(ys_MD, order_M, K), weights_TK, dtype): y_TD, the same numbers, with
-    a backward that gathers rows where autodiff scatters them.
-
-    Autodiff's backward forms dy_TKD = weights * dout in token order, then scatters it to
-    sorted order (unpermute's transpose) and gathers y_TKD again for the weights' gradient.
-    This one gathers each sorted row's token's dout once (g_MD) and forms both gradients from
-    it in sorted order: dys_MD = g_MD * weights (the same products) and dweights = sum_D g_MD
-    * ys_MD (the same sums, in XLA's reduction order), scattered back as [M] scalars. On
-    Qwen3-30B-A3B on v5p-64 that is 16 GB fewer HBM bytes per step (docs/performance.md)."""
-    out: jax.Array = _unpermute_combine(jnp.dtype(dtype), ys_MD, order_M, weights_TK)
-    return out
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _unpermute_combine(
-    dtype: jnp.dtype, ys_MD: jax.Array, order_M: jax.Array, weights_TK: jax.Array
-) -> jax.Array:
-    return combine(unpermute(ys_MD, order_M, weights_TK.shape[1]), weights_TK, dtype)
-
-
-def _unpermute_combine_fwd(
-    dtype: jnp.dtype, ys_MD: jax.Array, order_M: jax.Array, weights_TK: jax.Array
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
-    out = _unpermute_combine(dtype, ys_MD, order_M, weights_TK)
-    return out, (ys_MD, order_M, weights_TK)
-
-
-def _unpermute_combine_bwd(
-    dtype: jnp.dtype, res: tuple[jax.Array, jax.Array, jax.Array], dout_TD: jax.Array
-) -> tuple[jax.Array, None, jax.Array]:
-    ys_MD, order_M, weights_TK = res
-    t, k = weights_TK.shape
-    f32 = jnp.float32
-    g_MD = rows(dout_TD, order_M // k).astype(f32)
-    w_M = rows(weights_TK.reshape(-1), order_M, unique=True).astype(f32)
-    dys_MD = (g_MD * w_M[:, None]).astype(ys_MD.dtype)
-    dw_M = jnp.sum(g_MD * ys_MD.astype(f32), axis=-1)
-    dw_TK = (
-        jnp.zeros((t * k,), f32)
-        .at[order_M]
-        .set(dw_M, mode="promise_in_bounds", unique_indices=True)
-    )
-    return dys_MD, None, dw_TK.reshape(t, k).astype(weights_TK.dtype)
-
-
-_unpermute_combine.defvjp(_unpermute_combine_fwd, _unpermute_combine_bwd)
-
-
 def routing_weights_sorted(weights_TK: jax.Array, order_M: jax.Array) -> jax.Array:
     """[M] float32: each sorted row's routing weight (weights_TK flattened, in `permute`'s
     order), to scale the row before the down projection."""

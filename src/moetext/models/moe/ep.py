@@ -11,11 +11,12 @@ argsort over the global batch, which it cannot partition: every chip would hold 
 routed rows (the all-reduced [T*K, D] arrays of docs/performance.md). Per shard:
 
     permute local rows by global expert id -> exchange per-expert counts (all_gather over the
-    exp axes) -> rows to the shard owning their expert (all-to-all) -> sort received rows by
-    local expert -> the SwiGLU's gmm calls (three; two under fuse_gate_up) with group_offset =
-    shard * L -> unsort -> rows back (reverse all-to-all) -> unpermute -> y_TKD, or, given
-    the routing weights, y_TD combined inside the shard (P = 1: the weights scale the rows in
-    the SwiGLU, before the down gmm, and `dispatch.unpermute_sum` adds them up)
+    exp axes) -> rows to the shard owning their expert (all-to-all; their routing weights,
+    when given, by a second all-to-all of [m, 1]) -> sort received rows by local expert -> the
+    SwiGLU's gmm calls (three; two under fuse_gate_up) with group_offset = shard * L, the
+    weights scaling each row before the down gmm -> unsort -> rows back (reverse
+    all-to-all) -> unpermute -> y_TKD, or, given the routing weights, y_TD: the weighted rows
+    added up per token (`dispatch.unpermute_sum`)
 
 P = 1 (presets fsdp, fsdp_tp: tokens sharded, experts not) is the degenerate case: no counts
 exchange and no all-to-all; each shard sorts its own t*K rows and runs gmm against all E experts
@@ -191,11 +192,10 @@ def dropless(
 ) -> jax.Array:
     """y_TKD = expert_{ids[t, k]}(x_t) for every assignment, tokens split over the token axes
     and experts over the exp axes (none when P = 1); given weights_TK, their combination y_TD
-    = sum_k weights[t, k] * y_TKD[t, k] in the experts' dtype, formed inside each shard: for
-    P = 1 the weights scale each row in the SwiGLU, before the down projection, and
-    `dispatch.unpermute_sum` adds the rows up (its backward keeps nothing of them); for P > 1,
-    where rows cross shards between the two, `dispatch.unpermute_combine` weights them after
-    the down projection (its backward gathers where unpermute's scatters).
+    = sum_k weights[t, k] * y_TKD[t, k] in the experts' dtype, formed inside each shard: the
+    weights scale each row in the SwiGLU, before the down projection (for P > 1 they cross to
+    the row's expert shard with it, one [m, 1] exchange), and `dispatch.unpermute_sum` adds the
+    rows up (its backward keeps nothing of them).
 
     `experts` is the block's `Experts` module (stacked global weights [E, D, F] / [E, F, D]);
     `gmm` the block's grouped matmul.
@@ -222,19 +222,6 @@ def dropless(
         check_vma=False,
     )
     return fn(x_TD, ids_TK, w_gate, w_up, experts.w_down[...], weights_TK)
-
-
-def _back_to_tokens(
-    ys_mD: jax.Array,
-    order_m: jax.Array,
-    k: int,
-    weights_tK: jax.Array | None,
-    dtype: DTypeLike,
-) -> jax.Array:
-    """Sorted rows back in token order: y_tKD, or combined by weights_tK into y_tD."""
-    if weights_tK is None:
-        return dsp.unpermute(ys_mD, order_m, k)
-    return dsp.unpermute_combine(ys_mD, order_m, weights_tK, dtype)
 
 
 def _local_body(layout: EPLayout, num_experts: int, dtype: DTypeLike, gmm: Gmm) -> ShardBody:
@@ -284,6 +271,12 @@ def _shard_body(layout: EPLayout, num_experts: int, dtype: DTypeLike, gmm: Gmm) 
         # Received rows come source-major; gmm needs them grouped by expert (stable: padding,
         # key n_local, sorts last, past sum(group_sizes), where gmm writes zeros).
         sort_R = jnp.argsort(local_R, stable=True).astype(jnp.int32)
+        scale_R = None
+        if weights_tK is not None:
+            # The routing weights travel with their rows (one more exchange, of [m, 1] float32)
+            # and scale them before the down gmm, as for P = 1; padding rows receive weight 0.
+            w_m1 = dsp.routing_weights_sorted(weights_tK, order_m)[:, None]
+            scale_R = dsp.rows(ex.forward(w_m1)[0][:, 0], sort_R, unique=True)
         mine_E = (jnp.arange(num_experts) // n_local) == me
         group_sizes_E = jnp.where(mine_E, jnp.sum(sizes_PE, axis=0), 0).astype(jnp.int32)
         ys_RD = _swiglu(
@@ -294,12 +287,15 @@ def _shard_body(layout: EPLayout, num_experts: int, dtype: DTypeLike, gmm: Gmm) 
             me * n_local,
             gmm,
             dtype,
+            scale_R,
         )
         unsort_R = (
             jnp.zeros_like(sort_R).at[sort_R].set(jnp.arange(sort_R.shape[0], dtype=jnp.int32))
         )
         ys_mD = ex.backward(dsp.rows(ys_RD, unsort_R, unique=True))
-        return _back_to_tokens(ys_mD, order_m, k, weights_tK, dtype)
+        if weights_tK is None:
+            return dsp.unpermute(ys_mD, order_m, k)
+        return dsp.unpermute_sum(ys_mD, order_m, k, dtype)
 
     return body
 
