@@ -15,6 +15,12 @@ rows. The figures are compiler-derived estimates, not timings.
 TensorCores on v5p and tpu7x (v5p-64) and chips on v5e/v6e; --maxtext_topology overrides the
 translation. --remat takes a moetext remat_policy (none, full, save_dots) and passes MaxText its
 equivalent (REMAT below), or a MaxText policy name as maxtext:NAME.
+
+Multi-token prediction: MaxText's `mtp_num_layers` defaults to 0 (base.yml) and its DeepSeek-V3
+config does not set it, while the moetext config trains the released checkpoint's MTP depth
+(`model.mtp_layers: 1`), which `model_flops` counts. The script passes MaxText
+`mtp_num_layers=<model.mtp_layers>` so both programs train the same model; an explicit
+`mtp_num_layers=N` among the extra keys wins (then `model_flops` still counts moetext's depth).
 """
 
 from __future__ import annotations
@@ -115,6 +121,11 @@ def main(argv: list[str]) -> int:
         "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text "
         "--xla_dump_hlo_module_re=.*train_step.*",
     }
+    cfg = config.load(REPO / MODELS[a.model], [f"data.seq_len={a.seq_len}"])
+    mtp = int(getattr(cfg.model, "mtp_layers", 0))
+    extra = list(a.extra)
+    if mtp and not any(e.startswith("mtp_num_layers=") for e in extra):
+        extra.append(f"mtp_num_layers={mtp}")
     cmd = [
         "bash",
         str(TOOL),
@@ -123,7 +134,7 @@ def main(argv: list[str]) -> int:
         f"per_device_batch_size={a.per_device_batch}",
         f"max_target_length={a.seq_len}",
         f"remat_policy={remat}",
-        *a.extra,
+        *extra,
     ]
     if a.reuse and not a.out:
         p.error("--reuse reads --out DIR: give the directory of the earlier run")
@@ -136,7 +147,6 @@ def main(argv: list[str]) -> int:
     log = (out / "maxtext_aot.log").read_text()
     text = _train_step_hlo(dump)
 
-    cfg = config.load(REPO / MODELS[a.model], [f"data.seq_len={a.seq_len}"])
     model_flops = models.get_family(cfg.model.family).flops_per_token(
         cfg.model, cfg.moe, a.seq_len
     ) * (a.per_device_batch * a.seq_len)
@@ -150,6 +160,7 @@ def main(argv: list[str]) -> int:
         "seq_len": a.seq_len,
         "remat": a.remat,
         "maxtext_remat_policy": remat,
+        "maxtext_extra": extra,
         "model_flops_per_chip": model_flops,
         **_memory(log),
         "collectives": [{"op": op, "dtypes": dt, **v} for (op, dt), v in sorted(coll.items())],
