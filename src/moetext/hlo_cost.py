@@ -280,8 +280,8 @@ def _param_read(
     dynamic-update-slice writes into in place (XLA's cost analysis does the same)."""
     c = comps.get(comp)
     name = c.params.get(index) if c else None
-    if c is None or name is None or depth > 16:
-        return full
+    if c is None or name is None or depth > 16 or name == c.root:
+        return full  # unknown, too deep, or the fusion's result is (a view of) all of it
     read = 0.0
     for u in c.users.get(name, []):
         if u.op == "dynamic-slice" and u.operands[0] == name:
@@ -291,6 +291,12 @@ def _param_read(
         elif u.op == "bitcast" and u.operands == [name]:  # a view: what its users read
             c.params[-1 - depth] = u.name
             read += _param_read(comps, comp, -1 - depth, full, depth + 1)
+        elif u.op == "fusion" and u.operands == [name] and _is_relayout(comps, u):
+            # A nested copy fusion that only re-tiles the parameter (XLA:TPU, e.g. the scan's
+            # stacked residuals [L, ...] read one layer at a time): emitted inside this fusion's
+            # loop, it reads what its own users read, not the whole stack.
+            c.params[-1 - depth] = u.name
+            read += _param_read(comps, comp, -1 - depth, full, depth + 1)
         elif u.op == "fusion" and (callee := _FUSION_CALLS_RE.search(u.line)):
             for j, o in enumerate(u.operands):
                 if o == name:
@@ -298,6 +304,20 @@ def _param_read(
         else:
             return full
     return min(read, full)
+
+
+def _is_relayout(comps: dict[str, _Comp], fusion: _Instr) -> bool:
+    """Whether a fusion computes param -> copy / bitcast -> ROOT of the same element type and
+    shape: a layout change only."""
+    callee = _FUSION_CALLS_RE.search(fusion.line)
+    c = comps.get(callee.group(1)) if callee else None
+    if c is None or len(c.params) < 1:
+        return False
+    body = [i for i in c.instrs.values() if i.op != "parameter"]
+    same = re.sub(r"[{].*", "", fusion.shape) == re.sub(
+        r"[{].*", "", c.instrs[c.params[0]].shape if c.params.get(0) in c.instrs else ""
+    )
+    return same and bool(body) and all(i.op in ("copy", "bitcast") for i in body)
 
 
 def _signature_bytes(comps: dict[str, _Comp], comp: str) -> float:
