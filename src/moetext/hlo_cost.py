@@ -52,8 +52,10 @@ _NO_BYTES = frozenset(
         "collective-permute-done",
         "async-done",
         # An async call's steps (XLA:TPU offloads gathers, scatters and, on TPU7x, collectives
-        # to the SparseCore this way): its bytes are counted once, at its call-start.
+        # to the SparseCore this way): its bytes are counted once, at its call-start. XLA's
+        # dumps print the same op as async-start / async-update / async-done.
         "call-update",
+        "async-update",
         "call-done",
         "send-done",
         "recv-done",
@@ -379,6 +381,8 @@ def _module_cost(hlo_text: str) -> HloCost:
     for p in parsed:
         if p is not None and p.op == "fusion":
             inner.update(_FUSION_CALLS_RE.findall(p.line))
+        if p is not None and p.op == "async-start":  # the wrapped computation: counted below
+            inner.update(_FUSION_CALLS_RE.findall(p.line))
         if p is not None:
             inner.update(_TO_APPLY_RE.findall(p.line))
     flops = hbm = 0.0
@@ -412,7 +416,9 @@ def _module_cost(hlo_text: str) -> HloCost:
             moved = 2 * hlo.array_bytes(_shape_of(shapes, ins.operands[0]))[0]
         elif ins.op in ("dynamic-slice", "slice"):  # reads the slice, writes it
             moved = 2 * hlo.array_bytes(ins.shape)[0]
-        elif ins.op == "call-start" and (applied := _TO_APPLY_RE.search(ins.line)):
+        elif (ins.op == "call-start" and (applied := _TO_APPLY_RE.search(ins.line))) or (
+            ins.op == "async-start" and (applied := _FUSION_CALLS_RE.search(ins.line))
+        ):
             # The wrapped computation reads its parameters and writes its result, once.
             moved = _signature_bytes(comps, applied.group(1))
         elif ins.op == "slice-start" and ins.shape.startswith("("):
