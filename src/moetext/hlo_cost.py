@@ -290,13 +290,12 @@ def _param_read(
             read += hlo.array_bytes(u.shape)[0]
         elif u.op == "dynamic-update-slice" and u.operands[0] == name:
             continue
-        elif u.op == "bitcast" and u.operands == [name]:  # a view: what its users read
-            c.params[-1 - depth] = u.name
-            read += _param_read(comps, comp, -1 - depth, full, depth + 1)
-        elif u.op == "fusion" and u.operands == [name] and _is_relayout(comps, u):
-            # A nested copy fusion that only re-tiles the parameter (XLA:TPU, e.g. the scan's
-            # stacked residuals [L, ...] read one layer at a time): emitted inside this fusion's
-            # loop, it reads what its own users read, not the whole stack.
+        elif u.operands == [name] and (
+            u.op == "bitcast" or (u.op == "fusion" and _is_relayout(comps, u))
+        ):
+            # A view: what its users read. A nested copy fusion that only re-tiles the
+            # parameter is one too (XLA:TPU, e.g. the scan's stacked residuals [L, ...] read one
+            # layer at a time): emitted inside this fusion's loop, it reads no more than that.
             c.params[-1 - depth] = u.name
             read += _param_read(comps, comp, -1 - depth, full, depth + 1)
         elif u.op == "fusion" and (callee := _FUSION_CALLS_RE.search(u.line)):
@@ -308,17 +307,21 @@ def _param_read(
     return min(read, full)
 
 
+def _unlaid(shape: str) -> str:
+    """An HLO shape's element type and dims, without its layout."""
+    return re.sub(r"[{].*", "", shape)
+
+
 def _is_relayout(comps: dict[str, _Comp], fusion: _Instr) -> bool:
     """Whether a fusion computes param -> copy / bitcast -> ROOT of the same element type and
     shape: a layout change only."""
     callee = _FUSION_CALLS_RE.search(fusion.line)
     c = comps.get(callee.group(1)) if callee else None
-    if c is None or len(c.params) < 1:
+    src = c.instrs.get(c.params.get(0, "")) if c else None
+    if c is None or src is None:
         return False
     body = [i for i in c.instrs.values() if i.op != "parameter"]
-    same = re.sub(r"[{].*", "", fusion.shape) == re.sub(
-        r"[{].*", "", c.instrs[c.params[0]].shape if c.params.get(0) in c.instrs else ""
-    )
+    same = _unlaid(fusion.shape) == _unlaid(src.shape)
     return same and bool(body) and all(i.op in ("copy", "bitcast") for i in body)
 
 
@@ -379,9 +382,8 @@ def _module_cost(hlo_text: str) -> HloCost:
     shapes = {i.name: i.shape for c in comps.values() for i in c.instrs.values()}
     inner: set[str] = set()  # fused and applied computations: their bytes stay on chip
     for p in parsed:
-        if p is not None and p.op == "fusion":
-            inner.update(_FUSION_CALLS_RE.findall(p.line))
-        if p is not None and p.op == "async-start":  # the wrapped computation: counted below
+        # Fused computations, and an async-start's wrapped one (counted at the start, below).
+        if p is not None and p.op in ("fusion", "async-start"):
             inner.update(_FUSION_CALLS_RE.findall(p.line))
         if p is not None:
             inner.update(_TO_APPLY_RE.findall(p.line))
@@ -437,6 +439,6 @@ def _module_cost(hlo_text: str) -> HloCost:
                 # MoE decode kernel: the active experts' blocks of [E, ...] weights).
                 moved = min(moved, float(ce.group(1)))
         hbm += k * moved
-        movers[f"{ins.op} {ins.name} {re.sub(r'[{].*', '', ins.shape)} x{k}"] += k * moved
+        movers[f"{ins.op} {ins.name} {_unlaid(ins.shape)} x{k}"] += k * moved
     top = tuple(sorted(movers.items(), key=lambda kv: -kv[1])[:10])
     return HloCost(flops=flops, hbm_bytes=hbm, top_bytes=top, pallas_calls_without_estimate=missing)

@@ -224,6 +224,16 @@ def dropless(
     return fn(x_TD, ids_TK, w_gate, w_up, experts.w_down[...], weights_TK)
 
 
+def _back_to_tokens(
+    ys_mD: jax.Array, order_m: jax.Array, k: int, weighted: bool, dtype: DTypeLike
+) -> jax.Array:
+    """Sorted rows back in token order: y_tKD, or (rows already scaled by their routing
+    weights) their sum over K, y_tD."""
+    if weighted:
+        return dsp.unpermute_sum(ys_mD, order_m, k, dtype)
+    return dsp.unpermute(ys_mD, order_m, k)
+
+
 def _local_body(layout: EPLayout, num_experts: int, dtype: DTypeLike, gmm: Gmm) -> ShardBody:
     """P = 1: this shard's rows through all E experts; the only collectives are the weights'
     all-gathers (and, in the backward pass, their reduce-scatters)."""
@@ -241,9 +251,7 @@ def _local_body(layout: EPLayout, num_experts: int, dtype: DTypeLike, gmm: Gmm) 
         # The routing weights scale the rows before the down projection (dsp.unpermute_sum).
         w_m = None if weights_tK is None else dsp.routing_weights_sorted(weights_tK, order_m)
         ys_mD = _swiglu(layout, xs_mD, (w_gate, w_up, w_down), sizes_E, None, gmm, dtype, w_m)
-        if weights_tK is None:
-            return dsp.unpermute(ys_mD, order_m, k)
-        return dsp.unpermute_sum(ys_mD, order_m, k, dtype)
+        return _back_to_tokens(ys_mD, order_m, k, weights_tK is not None, dtype)
 
     return body
 
@@ -293,9 +301,7 @@ def _shard_body(layout: EPLayout, num_experts: int, dtype: DTypeLike, gmm: Gmm) 
             jnp.zeros_like(sort_R).at[sort_R].set(jnp.arange(sort_R.shape[0], dtype=jnp.int32))
         )
         ys_mD = ex.backward(dsp.rows(ys_RD, unsort_R, unique=True))
-        if weights_tK is None:
-            return dsp.unpermute(ys_mD, order_m, k)
-        return dsp.unpermute_sum(ys_mD, order_m, k, dtype)
+        return _back_to_tokens(ys_mD, order_m, k, weights_tK is not None, dtype)
 
     return body
 
