@@ -50,6 +50,17 @@ _OP_RE = re.compile(
     r"(?P<op>" + "|".join(COLLECTIVES) + r")(?:-start)?\("
 )
 ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
+# An instruction's name and result shape (an array, or a tuple of arrays).
+_DEF_RE = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*"
+    r"(?P<shape>\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s"
+)
+# A ragged all-to-all's first two operands (the rows to send, the receive buffer), each with
+# its shape when the text prints operand shapes (XLA's dumps) or as a bare name (as_text()).
+_RAGGED_ARGS_RE = re.compile(
+    r"ragged-all-to-all(?:-start)?\(\s*(?P<a>(?:[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?\s+)?%?[\w.\-]+)"
+    r"\s*,\s*(?P<b>(?:[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?\s+)?%?[\w.\-]+)"
+)
 _COMP_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
 _CALL_RE = re.compile(
     r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
@@ -75,7 +86,30 @@ _SENT_PER_RESULT_BYTE = {
     # per byte of the full-size all-reduce inside the fusion: a reduce-scatter of that input
     "all-reduce-scatter": lambda g: (g - 1) / g,
     "all-to-all": lambda g: (g - 1) / g,
+    # per byte of the rows to send (the first operand): the (g-1)/g of them bound elsewhere
+    # when every destination gets its share; a bound on the data-dependent count
+    "ragged-all-to-all": lambda g: (g - 1) / g,
 }
+
+
+def _ragged_bytes(
+    line: str, shapes: Mapping[str, str], nbytes: float, dtypes: list[str]
+) -> tuple[float, list[str], float]:
+    """(receive-buffer bytes, its element types, bytes of the rows to send) of a ragged
+    all-to-all line; the operand shapes are read from the line or, by name, from `shapes`.
+    Falls back to the result's bytes for both when an operand cannot be resolved."""
+    m = _RAGGED_ARGS_RE.search(line)
+
+    def resolve(arg: str) -> str | None:
+        if "[" in arg:
+            return arg
+        return shapes.get(arg.lstrip("%"))
+
+    send, recv = (resolve(m.group("a")), resolve(m.group("b"))) if m else (None, None)
+    if send is None or recv is None:
+        return nbytes, dtypes, nbytes
+    recv_bytes, recv_dtypes = array_bytes(recv)
+    return recv_bytes, recv_dtypes, array_bytes(send)[0]
 
 
 def array_bytes(shape_text: str) -> tuple[float, list[str]]:
@@ -195,8 +229,8 @@ def collectives(
     hlo_text: str, *, by: str = "dtype", mesh_shape: Mapping[str, int] | None = None
 ) -> dict[tuple[str, str], dict[str, float]]:
     """(op, element types) -> count, bytes (of the results) and sent (bytes each chip sends, a
-    ring-algorithm estimate: _SENT_PER_RESULT_BYTE; the result bytes for a permute or ragged
-    all-to-all) per step; ops inside a while body (the layer scan), or in computations it calls,
+    ring-algorithm estimate: _SENT_PER_RESULT_BYTE; the result bytes for a permute; for a ragged
+    all-to-all, bytes = its receive buffer and sent = (g-1)/g of the rows it sends) per step; ops inside a while body (the layer scan), or in computations it calls,
     count once per known trip. by="shape" keys on the result shape instead (e.g.
     f8e4m3fn[8,2048,768]: which arrays cross the wire); by="axis" on the mesh axes the
     op's device groups span (`group_axes` over `mesh_shape`, the compiled program's mesh)."""
@@ -209,12 +243,20 @@ def collectives(
     out: dict[tuple[str, str], dict[str, float]] = defaultdict(
         lambda: {"count": 0, "bytes": 0.0, "sent": 0.0}
     )
+    defs: dict[str, str] | None = None  # instruction name -> result shape, built on demand
     for line, comp in zip(lines, comp_of_line, strict=True):
         m = _OP_RE.search(line)
         if not m or "-done(" in line:
             continue
         nbytes, dtypes = array_bytes(m.group("shape"))
         op = m.group("op")
+        sent_base = nbytes
+        if op == "ragged-all-to-all":
+            if defs is None:
+                defs = {d["name"]: d["shape"] for d in map(_DEF_RE.match, lines) if d}
+            # Bytes: the receive buffer (its result, however the op's tuple prints); sent: the
+            # rows it sends, at most its first operand (all of it when routing is balanced).
+            nbytes, dtypes, sent_base = _ragged_bytes(line, defs, nbytes, dtypes)
         if op == "all-reduce" and comp is not None and comp.startswith("all-reduce-scatter"):
             # XLA:TPU's fused form of a reduce-scatter: an all-reduce and a dynamic-slice in a
             # computation of this name, run by the same emitter as its reduce-scatter ops
@@ -230,7 +272,7 @@ def collectives(
             key = (op, ",".join(sorted(set(dtypes))))
         k = times.get(comp, 1) if comp is not None else 1
         per_byte = _SENT_PER_RESULT_BYTE.get(op)
-        sent = nbytes * (per_byte(group_size(line, partitions)) if per_byte else 1.0)
+        sent = sent_base * (per_byte(group_size(line, partitions)) if per_byte else 1.0)
         out[key]["count"] += k
         out[key]["bytes"] += k * nbytes
         out[key]["sent"] += k * sent

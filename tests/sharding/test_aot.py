@@ -43,6 +43,10 @@ backend_config={"known_trip_count":{"n":"48"}}
 {'data','fsdp'}, dimensions={0}
   %a2a = (bf16[4,2]{1,0}, bf16[4,2]{1,0}) all-to-all(bf16[4,2] %p, bf16[4,2] %q)
   %rag = bf16[64,8]{1,0} ragged-all-to-all(bf16[16,8]{1,0} %r, bf16[64,8]{1,0} %o, s32[4] %i)
+  %rows = f32[32,1,128]{2,1,0} copy(f32[32,1,128]{2,1,0} %v)
+  %recv = f32[128,1,128]{2,1,0} broadcast(f32[] %zero), dimensions={}
+  %rag.1 = f32[128,1,128]{2,1,0} ragged-all-to-all(%rows, %recv, %i, %i, %i, /*index=5*/%i), \
+replica_groups={{0,1},{2,3}}
   %q8 = f8e4m3fn[128,2048,768]{2,1,0} all-gather(f8e4m3fn[128,64,768]{2,1,0} %w), dimensions={1}
 }
 """
@@ -55,11 +59,12 @@ def test_collective_parser_counts_scan_bodies_per_trip():
     assert got[("reduce-scatter", "f32")] == {"count": 1, "bytes": 2 * 3 * 4}
     assert got[("all-to-all", "bf16")] == {"count": 1, "bytes": 2 * 4 * 2 * 2}
     assert got[("ragged-all-to-all", "bf16")] == {"count": 1, "bytes": 64 * 8 * 2}
+    assert got[("ragged-all-to-all", "f32")] == {"count": 1, "bytes": 128 * 128 * 4}
     assert got[("all-gather", "f8e4m3fn")] == {"count": 1, "bytes": 128 * 2048 * 768}
     # XLA:TPU's fused all-reduce + dynamic-slice form of a reduce-scatter is named apart.
     # (Result bytes: the full-size input, as the fusion's all-reduce has it.)
     assert got[("all-reduce-scatter", "f32")] == {"count": 1, "bytes": 8 * 4 * 4}
-    assert len(got) == 7  # the -done half of an async pair is not counted again
+    assert len(got) == 8  # the -done half of an async pair is not counted again
     shapes = hlo.collectives(HLO, by="shape")
     assert shapes[("all-gather", "f8e4m3fn[128,2048,768]")]["count"] == 1
     assert shapes[("all-gather", "bf16[32,16]")]["count"] == 48
@@ -74,7 +79,11 @@ def test_sent_bytes_follow_the_ring_estimate_per_group_size():
     assert sent[("all-reduce", "f32")] == 48 * 4 * 4 * 2 * 3 / 4
     assert sent[("reduce-scatter", "f32")] == 2 * 3 * 4 * 3
     assert sent[("all-gather", "f8e4m3fn")] == 128 * 2048 * 768 * 3 / 4
-    assert sent[("ragged-all-to-all", "bf16")] == 64 * 8 * 2
+    # A ragged all-to-all sends its first operand's rows, (g-1)/g of them off-chip when
+    # balanced: not its receive buffer (sized for the worst case). Operand shapes as XLA's dumps
+    # print them, or (compiled.as_text()) by name from their definitions.
+    assert sent[("ragged-all-to-all", "bf16")] == 16 * 8 * 2 * 3 / 4
+    assert sent[("ragged-all-to-all", "f32")] == 32 * 128 * 4 * 1 / 2
     # XLA:TPU's fused reduce-scatter: 3/4 of its full-size input, as a reduce-scatter sends.
     assert sent[("all-reduce-scatter", "f32")] == 8 * 4 * 4 * 3 / 4
     assert hlo.group_size("x replica_groups=mesh['a'=2,'b'=8,'c'=4] {'a','c'}, y", 64) == 8
