@@ -230,8 +230,9 @@ def collectives(
 ) -> dict[tuple[str, str], dict[str, float]]:
     """(op, element types) -> count, bytes (of the results) and sent (bytes each chip sends, a
     ring-algorithm estimate: _SENT_PER_RESULT_BYTE; the result bytes for a permute; for a ragged
-    all-to-all, bytes = its receive buffer and sent = (g-1)/g of the rows it sends) per step; ops inside a while body (the layer scan), or in computations it calls,
-    count once per known trip. by="shape" keys on the result shape instead (e.g.
+    all-to-all, bytes = its receive buffer and sent = (g-1)/g of the rows it sends) per step;
+    ops inside a while body (the layer scan), or in computations it calls, count once per
+    known trip. by="shape" keys on the result shape instead (e.g.
     f8e4m3fn[8,2048,768]: which arrays cross the wire); by="axis" on the mesh axes the
     op's device groups span (`group_axes` over `mesh_shape`, the compiled program's mesh)."""
     if by == "axis" and mesh_shape is None:
