@@ -197,6 +197,14 @@ def test_profile_window_must_be_start_before_stop_from_step_1(window):
     assert config.load(TINY, ["train.profile_steps=[1,2]"]).train.profile_steps == (1, 2)
 
 
+def test_ep_buffer_factor_must_be_non_negative_and_dropless():
+    with pytest.raises(ConfigError, match=r"moe.ep_buffer_factor must be >= 0.*got -1.0"):
+        config.load(TINY, ["moe.ep_buffer_factor=-1"])
+    with pytest.raises(ConfigError, match=r"ep_buffer_factor=1.25 bounds.*'capacity'"):
+        config.load(TINY, ["moe.ep_buffer_factor=1.25", "moe.dispatch=capacity"])
+    assert config.load(TINY, ["moe.ep_buffer_factor=1.25"]).moe.ep_buffer_factor == 1.25
+
+
 def test_batch_not_divisible_by_devices():
     cfg = config.load(TINY, ["data.global_batch_size=6"])
     config.validate_for_devices(cfg, 3)

@@ -83,6 +83,7 @@ RESUME_SAFE = {
     ),
     "moe.aux_loss_weight",
     "moe.z_loss_weight",
+    "moe.ep_buffer_factor",
     "moe.bias_update_rate",
     "moe.initial_bias",
     "model.remat_policy",

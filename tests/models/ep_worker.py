@@ -9,12 +9,16 @@ tests/fake_devices.py starts it in a fresh interpreter) and prints one line `RES
   gate/up, and the TPU ("ragged") exchange with its collective emulated from all_gather;
 - "decode": the prefused decode path's grouped matmuls under sharded rules (per-shard dispatch,
   token counts the shards do not divide) against the single-shard block's output;
+- "bounded": `ep.dropless` with a receive bound (buffer_factor) that drops rows, both exchanges,
+  output and gradients against a float64 NumPy reference that drops the same assignments
+  (the policy re-derived from the ids), and the MoE block's reported dropped_fraction;
 - "indivisible": the error for 8 experts on 3 expert shards;
 - "train": the tiny config's first train loss (and mesh) per sharding preset and FP8 setting.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -36,6 +40,7 @@ from moetext import data as data_lib
 from moetext.config.schema import KernelsConfig, MoEConfig
 from moetext.models.moe import MoEBlock, ep, gmm_from_config
 from moetext.models.moe import decode as moe_decode
+from moetext.models.moe.experts import Experts
 from moetext.program.step import make_loss_fn
 from moetext.sharding import logical
 from moetext.sharding.rules import load_preset
@@ -305,6 +310,117 @@ def check_ragged_exchange(block: Block, ref: Named) -> dict[str, Any]:
     return {"rel": max_rel(got, ref), "calls": len(calls)}
 
 
+def kept_assignments(ids: np.ndarray, shards: int, n_local: int, r: int) -> np.ndarray:
+    """[T, K] bool: the assignments a receive bound of r rows keeps, re-derived from the ids.
+    Source shards in order; each source's rows sorted by expert (stable in t * K + k), each
+    landing at its destination shard (expert // n_local) while that has taken fewer than r."""
+    t, k = ids.shape
+    tl = t // shards
+    keep = np.zeros(t * k, bool)
+    taken = np.zeros(shards, int)
+    for i in range(shards):
+        flat = ids[i * tl : (i + 1) * tl].reshape(-1)
+        for j in np.argsort(flat, kind="stable"):
+            dest = flat[j] // n_local
+            if taken[dest] < r:
+                keep[i * tl * k + j] = True
+                taken[dest] += 1
+    return keep.reshape(t, k)
+
+
+def check_bounded_exchange() -> dict[str, Any]:
+    """`ep.dropless` under a receive bound on 4 expert shards (t = 16 tokens, m = 32 rows each),
+    skewed routing (about half the rows to shard 0), both exchanges."""
+    e, d, f, k, t, shards = 8, 32, 64, 2, 64, 4
+    experts = Experts(e, d, f, init_std=0.3, param_dtype=F32, dtype=F32, rngs=nnx.Rngs(params=1))
+    gd, params = nnx.split(experts)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    p_e = np.array([0.3, 0.2, 0.1, 0.1, 0.1, 0.08, 0.06, 0.06])
+    skewed = np.stack([rng.choice(e, size=k, replace=False, p=p_e) for _ in range(t)])
+    balanced = (np.arange(t * k) % e).reshape(t, k)  # every shard receives exactly m rows
+    w = rng.uniform(0.1, 1.0, (t, k)).astype(np.float32)
+    gmm = gmm_from_config(KernelsConfig())
+    pw = {n: np.asarray(v, np.float64) for n, v in nnx.to_pure_dict(params).items()}
+
+    def reference(ids: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, Named]:
+        """y and the gradients of sum(sin(y)), float64, the dropped assignments weighted 0."""
+        wg, wu, wd = (pw[n][ids] for n in ("w_gate", "w_up", "w_down"))  # [T, K, ...]
+        c = (w * keep)[..., None]
+        g, u = np.einsum("td,tkdf->tkf", x, wg), np.einsum("td,tkdf->tkf", x, wu)
+        sig = 1 / (1 + np.exp(-g))
+        a = g * sig * u  # silu(g) * u
+        y = np.einsum("tkf,tkfd->td", a * c, wd)
+        dy = np.cos(y)
+        da = np.einsum("td,tkfd->tkf", dy, wd)  # d loss / d (a * c), per row
+        dg = da * c * u * sig * (1 + g * (1 - sig))
+        du = da * c * g * sig
+        named = {
+            "grad_x": np.einsum("tkf,tkdf->td", dg, wg) + np.einsum("tkf,tkdf->td", du, wu),
+            "grad_w": np.sum(da * a, axis=-1) * keep,
+        }
+        for n, per_row in (
+            ("w_gate", np.einsum("td,tkf->tkdf", x, dg)),
+            ("w_up", np.einsum("td,tkf->tkdf", x, du)),
+            ("w_down", np.einsum("tkf,td->tkfd", a * c, dy)),
+        ):
+            acc = np.zeros_like(pw[n])
+            np.add.at(acc, ids, per_row)
+            named[f"grad_{n}"] = acc
+        return y, named
+
+    def grads(fn: Callable[..., Any]) -> tuple[Any, Named]:
+        vg = jax.jit(jax.value_and_grad(fn, argnums=(0, 1, 2), has_aux=True))
+        (val, g) = vg(params, jnp.asarray(x), jnp.asarray(w))
+        g_params, g_x, g_w = g
+        named = {"grad_x": g_x, "grad_w": g_w}
+        named.update({f"grad_{n}": v for n, v in nnx.to_pure_dict(g_params).items()})
+        return val, {n: np.asarray(v, np.float64) for n, v in named.items()}
+
+    out: dict[str, Any] = {}
+    for routing, ids in (("skewed", skewed), ("balanced", balanced)):
+        for factor in (0.5, 1.0):
+            r = ep.recv_rows(t // shards * k, shards, factor)
+            keep = kept_assignments(ids, shards, e // shards, r)
+            ref_y, ref_g = reference(ids, keep)
+            for exchange in ("padded", "ragged"):
+                calls: list[str] = []
+                ctx = emulated_ragged_exchange(calls) if exchange == "ragged" else _no_context()
+                with ctx, logical.use_rules(mesh_of((1, 1, shards, 1)), RULES):
+                    layout = ep.layout_from_context(e)
+                    assert layout is not None and layout.num_shards == shards
+
+                    def ep_loss(
+                        params: nnx.State, x: jax.Array, w: jax.Array
+                    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                        y, dropped = ep.dropless(
+                            layout,  # noqa: B023  (called within this iteration)
+                            x,
+                            jnp.asarray(ids, jnp.int32),  # noqa: B023
+                            nnx.merge(gd, params),
+                            gmm,
+                            w,
+                            buffer_factor=factor,  # noqa: B023
+                        )
+                        return jnp.sum(jnp.sin(y)), (y, dropped)
+
+                    (_, (y, dropped)), g = grads(ep_loss)
+                got = {"y": np.asarray(y, np.float64), **g}
+                out[f"{routing}_{factor}_{exchange}"] = {
+                    "rel": max_rel(got, {"y": ref_y, **ref_g}),
+                    "dropped": float(dropped),
+                    "expected_dropped": float(1 - keep.mean()),
+                    "recv_rows": r,
+                    "ragged_calls": len(calls),
+                }
+    return out
+
+
+@contextmanager
+def _no_context() -> Iterator[None]:
+    yield
+
+
 def indivisible_error(block: Block) -> str | None:
     """The ValueError for 8 experts over 3 expert shards, raised while tracing."""
 
@@ -379,6 +495,22 @@ def main() -> None:
     with logical.use_rules(mesh_of((1, 1, 1, 1)), load_preset("fsdp").rules):
         res["block"]["one_device_layout"] = repr(ep.layout_from_context(CFG.num_experts))
     res["block"]["ep4_ragged"] = check_ragged_exchange(block, ref)
+    res["bounded"] = check_bounded_exchange()
+    bounded = nnx.split(
+        MoEBlock(
+            dataclasses.replace(CFG, ep_buffer_factor=0.5),
+            gmm_from_config(KernelsConfig()),
+            emb_dim=32,
+            init_std=0.3,
+            param_dtype=F32,
+            dtype=F32,
+            rngs=nnx.Rngs(params=0),
+        )
+    )[0]
+    with logical.use_rules(mesh_of((1, 1, 4, 1)), RULES):
+        got, _ = block.run(bounded)
+    # The block reports what the bound dropped (the same params: dropped rows differ from ref).
+    res["block"]["ep4_bounded_dropped"] = float(got["dropped_fraction"])
     res["decode"] = check_decode(block)
     res["fused_decode"] = check_fused_decode(block)
     res["indivisible"] = indivisible_error(block)

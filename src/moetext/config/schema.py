@@ -142,6 +142,11 @@ class MoEConfig:
     """dropless: sort-based grouped matmul; capacity: fixed per-expert buffers (drop overflow)."""
     capacity_factor: float = must_match(1.25)
     """Capacity dispatch only: slots per expert = ceil(capacity_factor * T * K / E)."""
+    ep_buffer_factor: float = resume_safe(0.0)
+    """Expert parallelism (dropless dispatch with the experts split over mesh axes): each
+    shard's receive buffer holds ceil(factor * its own t*K rows) rows, rounded up to 8;
+    assignments past it are dropped (output 0; dropped_fraction reports them). 1.0 fits
+    balanced routing exactly. 0: the worst case (expert shards x t*K rows), nothing dropped."""
     routed_scaling_factor: float = must_match(1.0)
     """Multiplies the routed experts' weights after any renormalisation (DeepSeek-V3: 2.5)."""
     n_group: int = must_match(1)
@@ -180,6 +185,16 @@ class MoEConfig:
             )
         if self.capacity_factor <= 0:
             raise ConfigError(f"moe.capacity_factor must be positive, got {self.capacity_factor}")
+        if self.ep_buffer_factor < 0:
+            raise ConfigError(
+                f"moe.ep_buffer_factor must be >= 0 (0: the worst-case buffer, nothing "
+                f"dropped), got {self.ep_buffer_factor}"
+            )
+        if self.ep_buffer_factor and self.dispatch != "dropless":
+            raise ConfigError(
+                f"moe.ep_buffer_factor={self.ep_buffer_factor} bounds the expert-parallel "
+                f"dropless dispatch; moe.dispatch={self.dispatch!r} has its own capacity_factor"
+            )
         check_routing(self)
 
 

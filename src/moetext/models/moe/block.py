@@ -54,10 +54,11 @@ DISPATCH_MODES = ("dropless", "capacity")
 OVERRIDES = ("none", "balanced", "random")
 # The scalars of every layer's aux (zeros for a layer without MoE); a model reports each as the
 # mean over its MoE layers. Every other key of an MoE layer's aux is a per-layer statistic (the
-# router's metrics: expert_load, expert_counts, ...; DROPPED_KEY under capacity dispatch;
+# router's metrics: expert_load, expert_counts, ...; DROPPED_KEY under capacity dispatch or
+# moe.ep_buffer_factor;
 # IDS_KEY while capturing), which a model stacks into [num_moe_layers, ...] in layer order.
 AUX_KEYS = ("moe_loss", *LOSS_KEYS, "dropped_fraction")
-DROPPED_KEY = "layer_dropped_fraction"  # float32 scalar per layer (capacity dispatch)
+DROPPED_KEY = "layer_dropped_fraction"  # float32 scalar per layer (capacity, EP bound)
 IDS_KEY = "expert_ids"  # int32 [T, K] per layer, only inside capture_expert_ids()
 _CAPTURE = contextvars.ContextVar("capture_expert_ids", default=False)
 
@@ -188,8 +189,9 @@ class MoEBlock(nnx.Module):
         routing = self._route(x_TD, segment_ids_BS)
         per_layer: dict[str, jax.Array] = {}
         if self.cfg.dispatch == "dropless":
-            y_TD = self._dropless(x_TD, routing.ids_TK, routing.weights_TK)
-            dropped = jnp.zeros((), jnp.float32)
+            y_TD, dropped = self._dropless(x_TD, routing.ids_TK, routing.weights_TK)
+            if self.cfg.ep_buffer_factor:
+                per_layer[DROPPED_KEY] = dropped
         else:
             valid_T = None if segment_ids_BS is None else segment_ids_BS.reshape(-1) > 0
             y_TKD, dropped = self._capacity(x_TD, routing.ids_TK, valid_T)
@@ -280,17 +282,29 @@ class MoEBlock(nnx.Module):
             shared_TD = gate_T1 * shared_TD
         return shared_TD
 
-    def _dropless(self, x_TD: jax.Array, ids_TK: jax.Array, weights_TK: jax.Array) -> jax.Array:
-        """y_TD: the routed experts' outputs combined by weights_TK."""
+    def _dropless(
+        self, x_TD: jax.Array, ids_TK: jax.Array, weights_TK: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """(y_TD: the routed experts' outputs combined by weights_TK, the fraction of the
+        assignments an expert-parallel receive bound dropped: 0 unless ep_buffer_factor)."""
         # The sharding rules, not a flag, decide: tokens or experts split over mesh axes of
         # size > 1 mean a per-shard dispatch in shard_map (with an all-to-all when "exp" is).
         layout = ep.layout_from_context(self.cfg.num_experts)
         if layout is not None:
-            return ep.dropless(layout, x_TD, ids_TK, self.experts, self.gmm, weights_TK)
+            return ep.dropless(
+                layout,
+                x_TD,
+                ids_TK,
+                self.experts,
+                self.gmm,
+                weights_TK,
+                buffer_factor=self.cfg.ep_buffer_factor,
+            )
         xs_MD, group_sizes_E, order_M = dsp.permute(x_TD, ids_TK, self.cfg.num_experts)
         w_M = dsp.routing_weights_sorted(weights_TK, order_M)
         ys_MD = self.experts.grouped(xs_MD, group_sizes_E, self.gmm, row_scale=w_M)
-        return dsp.unpermute_sum(ys_MD, order_M, ids_TK.shape[1], self.dtype)
+        y_TD = dsp.unpermute_sum(ys_MD, order_M, ids_TK.shape[1], self.dtype)
+        return y_TD, jnp.zeros((), jnp.float32)
 
     def _capacity(
         self, x_TD: jax.Array, ids_TK: jax.Array, valid_T: jax.Array | None

@@ -315,4 +315,4 @@ def sharded(
     if pad:
         x_TD = jnp.pad(x_TD, ((0, pad), (0, 0)))
         ids_TK = jnp.pad(ids_TK, ((0, pad), (0, 0)))
-    return ep.dropless(layout, x_TD, ids_TK, experts, gmm)[:t]
+    return ep.dropless(layout, x_TD, ids_TK, experts, gmm)[0][:t]  # dropless: drops nothing

@@ -35,11 +35,21 @@ token view, so they equal the single-device values by construction.
 
 Two exchanges, picked by the mesh's platform (not a flag):
   * "ragged" (TPU): `jax.lax.ragged_all_to_all` sends exactly the rows each shard needs; the
-    receive buffer holds the worst case P*m rows (every row of every shard to this shard).
+    receive buffer holds R rows, by default the worst case R = P*m (every row of every shard to
+    this shard), so the local experts' grouped matmuls run over P*m rows.
   * "padded" (CPU and others; XLA:CPU has no ragged-all-to-all): each shard sends every other
-    shard a fixed buffer of C = m rows (the worst case for one destination), so both the send
-    and the receive buffers are [P*m, D]: P times the rows of the single-shard path, and P
-    times the bytes on the wire. Dropless; nothing overflows, so nothing is dropped.
+    shard a fixed buffer of C = min(m, R) rows (the worst case for one destination), so both
+    the send and the receive buffers are [P*C, D]: with C = m, P times the rows of the
+    single-shard path, and P times the bytes on the wire.
+
+The receive bound (`buffer_factor`, config `moe.ep_buffer_factor`): R = ceil(factor * m) rows,
+rounded up to a multiple of 8 (at most P*m). Balanced routing sends every shard m rows, so
+factor 1 fits it exactly and 1.25 leaves a quarter for imbalance. A shard takes its rows in
+source order (shard 0's first), each source's rows by local expert; rows past R are dropped:
+their sender sends them nowhere, they come back as zeros (no output, no gradient), as capacity
+dispatch drops a full expert's overflow. Both exchanges apply the same bound from the same
+all-gathered counts, so CPU and TPU drop the same rows. `dropless` reports the fraction of
+assignments dropped. factor 0 (the default): R = P*m, nothing is ever dropped.
 """
 
 from __future__ import annotations
@@ -68,9 +78,10 @@ TOKEN_NAMES = ("batch", "length")
 ragged_all_to_all: Callable[..., jax.Array] = jax.lax.ragged_all_to_all
 
 # What runs per shard inside shard_map: (x_tD, ids_tK, w_gate, w_up, w_down, weights_tK or
-# None) -> y_tKD, or y_tD when combined by weights_tK.
+# None) -> (y_tKD, or y_tD when combined by weights_tK; float32 [1]: rows this shard dropped).
 ShardBody = Callable[
-    [jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array | None], jax.Array
+    [jax.Array, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array | None],
+    tuple[jax.Array, jax.Array],
 ]
 
 
@@ -189,17 +200,24 @@ def dropless(
     experts: Experts,
     gmm: Gmm,
     weights_TK: jax.Array | None = None,
-) -> jax.Array:
-    """y_TKD = expert_{ids[t, k]}(x_t) for every assignment, tokens split over the token axes
-    and experts over the exp axes (none when P = 1); given weights_TK, their combination y_TD
-    = sum_k weights[t, k] * y_TKD[t, k] in the experts' dtype, formed inside each shard: the
-    weights scale each row in the SwiGLU, before the down projection (for P > 1 they cross to
-    the row's expert shard with it, one [m, 1] exchange), and `dispatch.unpermute_sum` adds the
-    rows up (its backward keeps nothing of them).
+    buffer_factor: float = 0.0,
+) -> tuple[jax.Array, jax.Array]:
+    """(y, dropped): y_TKD = expert_{ids[t, k]}(x_t) for every assignment, tokens split over
+    the token axes and experts over the exp axes (none when P = 1); given weights_TK, their
+    combination y_TD = sum_k weights[t, k] * y_TKD[t, k] in the experts' dtype, formed inside
+    each shard: the weights scale each row in the SwiGLU, before the down projection (for P > 1
+    they cross to the row's expert shard with it, one [m, 1] exchange), and
+    `dispatch.unpermute_sum` adds the rows up (its backward keeps nothing of them).
+
+    buffer_factor > 0 bounds each shard's receive buffer to that many times its own rows (the
+    module docstring); the assignments past it come out 0. dropped: the float32 fraction of
+    the T*K assignments dropped (0 when buffer_factor is 0 or P = 1).
 
     `experts` is the block's `Experts` module (stacked global weights [E, D, F] / [E, F, D]);
     `gmm` the block's grouped matmul.
     """
+    if buffer_factor < 0:
+        raise ValueError(f"EP buffer_factor must be >= 0 (0: the worst case), got {buffer_factor}")
     t, k = ids_TK.shape
     shards = layout.token_shards
     if t % shards:
@@ -209,19 +227,23 @@ def dropless(
             f"the global batch a multiple of {shards}"
         )
     tok = PartitionSpec(layout.token_axes)  # type: ignore[no-untyped-call]  # jax: PartitionSpec.__new__ unannotated
-    make_body = _local_body if layout.num_shards == 1 else _shard_body
     w_gate, w_up = experts.gate_up()
-    body = make_body(layout, w_gate.shape[0], experts.dtype, gmm)
+    if layout.num_shards == 1:
+        body = _local_body(layout, w_gate.shape[0], experts.dtype, gmm)
+    else:
+        body = _shard_body(layout, w_gate.shape[0], experts.dtype, gmm, buffer_factor)
     fn = jax.shard_map(
         body,
         mesh=layout.mesh,
         in_specs=(tok, tok, layout.w_in_spec, layout.w_in_spec, layout.w_out_spec, tok),
-        out_specs=tok,
+        # y, and each token shard's count of dropped rows (one element per shard).
+        out_specs=(tok, tok),
         # The gmm backends build loop carries from fresh zeros (no varying-mesh-axis type), which
         # the vma checker rejects; the specs above state the replication exactly instead.
         check_vma=False,
     )
-    return fn(x_TD, ids_TK, w_gate, w_up, experts.w_down[...], weights_TK)
+    y, dropped_S = fn(x_TD, ids_TK, w_gate, w_up, experts.w_down[...], weights_TK)
+    return y, jnp.sum(dropped_S) / (t * k)
 
 
 def _back_to_tokens(
@@ -245,18 +267,21 @@ def _local_body(layout: EPLayout, num_experts: int, dtype: DTypeLike, gmm: Gmm) 
         w_up: jax.Array,
         w_down: jax.Array,
         weights_tK: jax.Array | None,
-    ) -> jax.Array:
+    ) -> tuple[jax.Array, jax.Array]:
         xs_mD, sizes_E, order_m = dsp.permute(x_tD.astype(dtype), ids_tK, num_experts)
         k = ids_tK.shape[1]
         # The routing weights scale the rows before the down projection (dsp.unpermute_sum).
         w_m = None if weights_tK is None else dsp.routing_weights_sorted(weights_tK, order_m)
         ys_mD = _swiglu(layout, xs_mD, (w_gate, w_up, w_down), sizes_E, None, gmm, dtype, w_m)
-        return _back_to_tokens(ys_mD, order_m, k, weights_tK is not None, dtype)
+        y = _back_to_tokens(ys_mD, order_m, k, weights_tK is not None, dtype)
+        return y, jnp.zeros((1,), jnp.float32)
 
     return body
 
 
-def _shard_body(layout: EPLayout, num_experts: int, dtype: DTypeLike, gmm: Gmm) -> ShardBody:
+def _shard_body(
+    layout: EPLayout, num_experts: int, dtype: DTypeLike, gmm: Gmm, buffer_factor: float
+) -> ShardBody:
     p, axes = layout.num_shards, layout.exp_axes
     n_local = num_experts // p
 
@@ -267,14 +292,16 @@ def _shard_body(layout: EPLayout, num_experts: int, dtype: DTypeLike, gmm: Gmm) 
         w_up: jax.Array,
         w_down: jax.Array,
         weights_tK: jax.Array | None,
-    ) -> jax.Array:
+    ) -> tuple[jax.Array, jax.Array]:
         me = jax.lax.axis_index(axes)
         k = ids_tK.shape[1]
         xs_mD, sizes_E, order_m = dsp.permute(x_tD.astype(dtype), ids_tK, num_experts)
         # sizes_PE[i, e]: rows shard i sends to expert e; every shard derives all offsets from it.
         sizes_PE = jax.lax.all_gather(sizes_E, axes, axis=0, tiled=False)
+        m = xs_mD.shape[0]
+        counts = _Counts(sizes_PE, p, n_local, recv_rows(m, p, buffer_factor))
         exchange = _RaggedExchange if layout.exchange == "ragged" else _PaddedExchange
-        ex = exchange(axes, p, n_local, me, sizes_PE, xs_mD.shape[0])
+        ex = exchange(axes, p, n_local, me, counts, m)
         recv_RD, local_R = ex.forward(xs_mD)
         # Received rows come source-major; gmm needs them grouped by expert (stable: padding,
         # key n_local, sorts last, past sum(group_sizes), where gmm writes zeros).
@@ -286,7 +313,7 @@ def _shard_body(layout: EPLayout, num_experts: int, dtype: DTypeLike, gmm: Gmm) 
             w_m1 = dsp.routing_weights_sorted(weights_tK, order_m)[:, None]
             scale_R = dsp.rows(ex.forward(w_m1)[0][:, 0], sort_R, unique=True)
         mine_E = (jnp.arange(num_experts) // n_local) == me
-        group_sizes_E = jnp.where(mine_E, jnp.sum(sizes_PE, axis=0), 0).astype(jnp.int32)
+        group_sizes_E = jnp.where(mine_E, jnp.sum(counts.kept_PE, axis=0), 0).astype(jnp.int32)
         ys_RD = _swiglu(
             layout,
             dsp.rows(recv_RD, sort_R, unique=True),
@@ -301,7 +328,9 @@ def _shard_body(layout: EPLayout, num_experts: int, dtype: DTypeLike, gmm: Gmm) 
             jnp.zeros_like(sort_R).at[sort_R].set(jnp.arange(sort_R.shape[0], dtype=jnp.int32))
         )
         ys_mD = ex.backward(dsp.rows(ys_RD, unsort_R, unique=True))
-        return _back_to_tokens(ys_mD, order_m, k, weights_tK is not None, dtype)
+        y = _back_to_tokens(ys_mD, order_m, k, weights_tK is not None, dtype)
+        dropped = jnp.sum(counts.s_PP[:, me] - counts.kept_PP[:, me]).astype(jnp.float32)
+        return y, dropped[None]
 
     return body
 
@@ -360,6 +389,30 @@ def _exclusive_cumsum(x: jax.Array, axis: int) -> jax.Array:
     return jnp.cumsum(x, axis=axis) - x
 
 
+def recv_rows(m: int, p: int, buffer_factor: float) -> int:
+    """R, the rows of a shard's receive buffer for m local rows over P shards: the worst case
+    P*m for factor 0, else ceil(factor * m) rounded up to a multiple of 8 (a sublane tile), at
+    most P*m."""
+    if buffer_factor == 0:
+        return p * m
+    return min(p * m, -(-math.ceil(buffer_factor * m) // 8) * 8)
+
+
+class _Counts:
+    """Rows per (source, destination) shard and per (source, expert), all as sent (s_PP,
+    sizes_PE) and as kept under a receive bound of R rows (kept_PP, kept_PE): receiver j takes
+    source i's rows after those of sources < i, each source's by local expert, up to R."""
+
+    def __init__(self, sizes_PE: jax.Array, p: int, n_local: int, r: int) -> None:
+        self.r = r
+        sizes_PPL = sizes_PE.reshape(p, p, n_local).astype(jnp.int32)
+        self.s_PP = jnp.sum(sizes_PPL, axis=2)  # s_PP[i, j]: rows shard i sends to shard j
+        # Where source i's rows start in receiver j, and how many of them fit below R.
+        self.kept_PP = jnp.clip(r - _exclusive_cumsum(self.s_PP, 0), 0, self.s_PP)
+        kept_PPL = jnp.clip(self.kept_PP[..., None] - _exclusive_cumsum(sizes_PPL, 2), 0, sizes_PPL)
+        self.kept_PE = kept_PPL.reshape(p, p * n_local)
+
+
 def _count_le(ends: jax.Array, rows: jax.Array) -> jax.Array:
     """For each row, how many of the sorted segment `ends` are <= it: the index of the segment
     holding the row (empty segments skipped), len(ends) past the last."""
@@ -367,7 +420,8 @@ def _count_le(ends: jax.Array, rows: jax.Array) -> jax.Array:
 
 
 class _PaddedExchange:
-    """Fixed [P, C=m] row buffers per destination and a plain all_to_all (any platform)."""
+    """Fixed [P, C] row buffers per destination, C = min(m, R), and a plain all_to_all (any
+    platform)."""
 
     def __init__(
         self,
@@ -375,26 +429,24 @@ class _PaddedExchange:
         p: int,
         n_local: int,
         me: jax.Array,
-        sizes_PE: jax.Array,
+        counts: _Counts,
         m: int,
     ) -> None:
-        self.axes, self.p, self.c = axes, p, m
-        send_P = jnp.sum(sizes_PE[me].reshape(p, n_local), axis=1)
-        self.send_start_P = _exclusive_cumsum(send_P, 0)
-        self.send_P = send_P
-        # From source i this shard receives, per local expert, sizes_PE[i, me*L:(me+1)*L] rows.
-        mine_PL = jax.lax.dynamic_slice_in_dim(sizes_PE, me * n_local, n_local, axis=1)
-        self.mine_PL = mine_PL
-
-    def _slots(self) -> tuple[jax.Array, jax.Array]:
-        slot_C = jnp.arange(self.c, dtype=jnp.int32)
-        return slot_C, self.send_start_P[:, None] + slot_C[None, :]
+        self.axes, self.p, self.m, self.c = axes, p, m, min(m, counts.r)
+        # Destination j's rows start at send_start_P[j] of the sorted rows; the first send_P[j]
+        # of them are sent (all but what j's receive bound drops).
+        self.ends_P = jnp.cumsum(counts.s_PP[me])
+        self.send_start_P = self.ends_P - counts.s_PP[me]
+        self.send_P = counts.kept_PP[me]
+        # From source i this shard receives, per local expert, kept_PE[i, me*L:(me+1)*L] rows.
+        self.mine_PL = jax.lax.dynamic_slice_in_dim(counts.kept_PE, me * n_local, n_local, axis=1)
 
     def forward(self, xs_mD: jax.Array) -> tuple[jax.Array, jax.Array]:
-        slot_C, src_PC = self._slots()
+        slot_C = jnp.arange(self.c, dtype=jnp.int32)
+        src_PC = self.send_start_P[:, None] + slot_C[None, :]
         valid_PC = slot_C[None, :] < self.send_P[:, None]
         buf_PCD = jnp.where(
-            valid_PC[..., None], dsp.rows(xs_mD, jnp.minimum(src_PC, self.c - 1)), 0
+            valid_PC[..., None], dsp.rows(xs_mD, jnp.minimum(src_PC, self.m - 1)), 0
         )
         send_RD = buf_PCD.reshape(self.p * self.c, -1)
         recv = jax.lax.all_to_all(send_RD, self.axes, 0, 0, tiled=True)  # type: ignore[no-untyped-call]  # jax: unannotated
@@ -406,15 +458,18 @@ class _PaddedExchange:
 
     def backward(self, ys_RD: jax.Array) -> jax.Array:
         back = jax.lax.all_to_all(ys_RD, self.axes, 0, 0, tiled=True)  # type: ignore[no-untyped-call]  # jax: unannotated
-        # Sorted row r went to destination dest(r) at slot r - send_start[dest(r)].
-        r_m = jnp.arange(self.c, dtype=jnp.int32)
-        dest_m = jnp.minimum(_count_le(jnp.cumsum(self.send_P), r_m), self.p - 1)
-        idx_m = dest_m * self.c + r_m - self.send_start_P[dest_m]
-        return dsp.rows(back, idx_m)
+        # Sorted row r went to destination dest(r) at slot r - send_start[dest(r)], unless the
+        # destination's bound dropped it (slot >= send_P[dest]): then it comes back as zeros.
+        r_m = jnp.arange(self.m, dtype=jnp.int32)
+        dest_m = jnp.minimum(_count_le(self.ends_P, r_m), self.p - 1)
+        slot_m = r_m - self.send_start_P[dest_m]
+        kept_m = slot_m < self.send_P[dest_m]
+        rows_mD = dsp.rows(back, dest_m * self.c + jnp.where(kept_m, slot_m, 0))
+        return jnp.where(kept_m[:, None], rows_mD, 0)
 
 
 class _RaggedExchange:
-    """`ragged_all_to_all` with exact sizes; receive buffer of the worst case P*m rows (TPU)."""
+    """`ragged_all_to_all` with exact sizes into a receive buffer of R rows (TPU)."""
 
     def __init__(
         self,
@@ -422,23 +477,24 @@ class _RaggedExchange:
         p: int,
         n_local: int,
         me: jax.Array,
-        sizes_PE: jax.Array,
+        counts: _Counts,
         m: int,
     ) -> None:
-        self.axes, self.p, self.m = axes, p, m
-        # s_PP[i, j]: rows shard i sends to shard j.
-        s_PP = jnp.sum(sizes_PE.reshape(p, p, n_local), axis=2).astype(jnp.int32)
-        self.send_P, self.recv_P = s_PP[me], s_PP[:, me]
-        self.send_start_P = _exclusive_cumsum(self.send_P, 0)
+        self.axes, self.m, self.r = axes, m, counts.r
+        kept_PP = counts.kept_PP
+        # This shard sends destination j the first send_P[j] of the rows that start at
+        # send_start_P[j] of its sorted rows, and receives recv_P[i] from source i.
+        self.send_P, self.recv_P = kept_PP[me], kept_PP[:, me]
+        self.send_start_P = _exclusive_cumsum(counts.s_PP[me], 0)
         self.recv_start_P = _exclusive_cumsum(self.recv_P, 0)
         # Where this shard's rows land in receiver j (after those of shards i < me), and where
         # receiver j's chunk started in source i's sorted rows (for the way back).
-        self.out_offsets_P = _exclusive_cumsum(s_PP, 0)[me]
-        self.back_offsets_P = _exclusive_cumsum(s_PP, 1)[:, me]
-        self.mine_PL = jax.lax.dynamic_slice_in_dim(sizes_PE, me * n_local, n_local, axis=1)
+        self.out_offsets_P = _exclusive_cumsum(kept_PP, 0)[me]
+        self.back_offsets_P = _exclusive_cumsum(counts.s_PP, 1)[:, me]
+        self.mine_PL = jax.lax.dynamic_slice_in_dim(counts.kept_PE, me * n_local, n_local, axis=1)
 
     def forward(self, xs_mD: jax.Array) -> tuple[jax.Array, jax.Array]:
-        out = jnp.zeros((self.p * self.m, xs_mD.shape[1]), xs_mD.dtype)
+        out = jnp.zeros((self.r, xs_mD.shape[1]), xs_mD.dtype)
         recv = ragged_all_to_all(
             xs_mD,
             out,
@@ -451,12 +507,13 @@ class _RaggedExchange:
         # Received rows are segments (source i, local expert l) in (i, l) order.
         n_local = self.mine_PL.shape[1]
         ends_Q = jnp.cumsum(self.mine_PL.reshape(-1))
-        r_R = jnp.arange(self.p * self.m, dtype=jnp.int32)
+        r_R = jnp.arange(self.r, dtype=jnp.int32)
         seg_R = _count_le(ends_Q, r_R)
         local_R = jnp.where(seg_R < ends_Q.shape[0], seg_R % n_local, n_local)
         return recv, local_R
 
     def backward(self, ys_RD: jax.Array) -> jax.Array:
+        # Rows a receiver dropped are not sent back: they stay zeros in `out`.
         out = jnp.zeros((self.m, ys_RD.shape[1]), ys_RD.dtype)
         return ragged_all_to_all(
             ys_RD,
