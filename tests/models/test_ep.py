@@ -7,8 +7,8 @@ The TPU exchange (ragged_all_to_all) has no XLA:CPU lowering: its offset arithme
 on CPU against an emulation of the collective built from all_gather, and the real collective
 is compiled ahead of time for a v5p topology (tpu_aot).
 
-Budget: ~2 min on 2 cores (one subprocess: 7 block settings + 4 train-loss compiles; measured
-5 min with a TPU AOT compile sharing the cores), plus ~20 s for the AOT compile.
+Budget: ~3 min on 2 cores (one subprocess: 7 block settings, 8 bounded-exchange settings and 4
+train-loss compiles; 3:01 measured alone), plus ~25 s for the two AOT compiles.
 """
 
 import re
@@ -93,15 +93,19 @@ def test_fsdp_ep_train_loss_matches_single_device(results, name):
 
 
 @pytest.mark.tpu_aot
-def test_ragged_exchange_compiles_for_tpu():
+@pytest.mark.parametrize("buffer_factor", [0.0, 1.25])
+def test_ragged_exchange_compiles_for_tpu(buffer_factor):
     # Forward + backward of the EP block (bf16, pallas_tpu gmm) for a v5p:2x2x1 topology
     # (4 chips: fsdp=2 x expert=2, so the weight all-gather runs too); libtpu, no TPU needed.
+    # 512 tokens over 4 shards, K = 2: m = 256 rows per shard, P = 2 expert shards; the receive
+    # buffer holds P*m = 512 rows, or 1.25 * m = 320 under moe.ep_buffer_factor=1.25.
     import jax
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+    from moetext import hlo as hlo_lib
     from moetext.aot import tpu_devices
     from moetext.config.schema import KernelsConfig, MoEConfig
     from moetext.models.moe import MoEBlock, ep, gmm_from_config
@@ -111,7 +115,12 @@ def test_ragged_exchange_compiles_for_tpu():
     devices = tpu_devices("v5p:2x2x1")
     mesh = Mesh(np.array(devices).reshape(1, 2, 2, 1), ("data", "fsdp", "expert", "tensor"))
     rules = load_preset("fsdp_ep").rules
-    cfg = MoEConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256)
+    cfg = MoEConfig(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        ep_buffer_factor=buffer_factor,
+    )
     block = nnx.eval_shape(
         lambda: MoEBlock(
             cfg,
@@ -150,6 +159,13 @@ def test_ragged_exchange_compiles_for_tpu():
     # Two exchanges forward and their two transposes backward (TPU makes them async).
     count = len(re.findall(r"ragged-all-to-all(?:-start)?\(", hlo))
     assert count >= 4, count
+    # The receive buffers (the results of the forward exchanges) have R rows, the way back m.
+    rows = {
+        int(shape.split("[")[1].split(",")[0])
+        for op, shape in hlo_lib.collectives(hlo, by="shape")
+        if op == "ragged-all-to-all"
+    }
+    assert rows == {256, 320 if buffer_factor else 512}, rows
 
 
 @pytest.mark.parametrize("name", ["qag_fsdp4", "qag_ep2"])
