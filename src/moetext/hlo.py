@@ -159,7 +159,8 @@ def call_multipliers(lines: list[str]) -> tuple[list[str | None], dict[str, int]
 
 def _trip_count(while_line: str, body_of: dict[str | None, list[str]]) -> int:
     """known_trip_count when XLA recorded it, else the loop bound: the one integer constant in
-    the condition computation (scan loops count from 0 while i < n)."""
+    the condition computation (scan loops count from 0 while i < n; XLA:TPU's windowed-einsum
+    loops, a collective matmul's steps, count in u32 and carry no known_trip_count)."""
     t = _TRIP_RE.search(while_line)
     if t:
         return int(t.group(1))
@@ -167,7 +168,7 @@ def _trip_count(while_line: str, body_of: dict[str | None, list[str]]) -> int:
     consts = [
         int(c.group(1))
         for line in body_of.get(cond.group(1) if cond else None, [])
-        if (c := re.search(r"=\s*s(?:32|64)\[\][^ ]*\s+constant\((\d+)\)", line))
+        if (c := re.search(r"=\s*[su](?:8|16|32|64)\[\][^ ]*\s+constant\((\d+)\)", line))
     ]
     return consts[0] if len(consts) == 1 else 1
 

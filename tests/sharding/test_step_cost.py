@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import SingleDeviceSharding
 
-from moetext import aot, hlo_cost, step_cost
+from moetext import aot, hlo, hlo_cost, step_cost
 
 L, M, K = 4, 256, 512
 
@@ -232,3 +232,47 @@ def test_relayout_fusion_of_a_sliced_stack_reads_the_slice():
         "-> (bf16[8,128], bf16[8,8,128]) {\n  %param_0.1",
     )
     assert hlo_cost.hlo_cost(whole).hbm_bytes > 16384
+
+
+# XLA:TPU's windowed einsum (an all-gather fused into its matmul as a loop of collective
+# permutes and partial dots) counts its steps in u32 and records no known_trip_count: 16 trips
+# here, each a [8, 16] x [16, 32] dot and one permute of the next [16, 32] weight chunk. Read as
+# one trip, the Qwen3-30B-A3B fsdp step lost 15/16 of its attention projections' FLOPs.
+WINDOWED_HLO = """\
+HloModule jit_windowed, num_partitions=16
+
+%cond (p: (u32[], bf16[8,16], bf16[16,32], f32[8,32])) -> pred[] {
+  %p = (u32[], bf16[8,16], bf16[16,32], f32[8,32]) parameter(0)
+  %i = u32[] get-tuple-element(%p), index=0
+  %n = u32[]{:T(128)} constant(16)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (q: (u32[], bf16[8,16], bf16[16,32], f32[8,32])) -> (u32[], bf16[8,16], bf16[16,32], \
+f32[8,32]) {
+  %q = (u32[], bf16[8,16], bf16[16,32], f32[8,32]) parameter(0)
+  %i.1 = u32[] get-tuple-element(%q), index=0
+  %x = bf16[8,16] get-tuple-element(%q), index=1
+  %w = bf16[16,32] get-tuple-element(%q), index=2
+  %acc = f32[8,32] get-tuple-element(%q), index=3
+  %d = f32[8,32] dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %acc.1 = f32[8,32] add(%acc, %d)
+  %next = bf16[16,32] collective-permute(%w), source_target_pairs={{0,1},{1,0}}
+  %one = u32[] constant(1)
+  %i.2 = u32[] add(%i.1, %one)
+  ROOT %t = (u32[], bf16[8,16], bf16[16,32], f32[8,32]) tuple(%i.2, %x, %next, %acc.1)
+}
+
+ENTRY %main (init: (u32[], bf16[8,16], bf16[16,32], f32[8,32])) -> (u32[], bf16[8,16], \
+bf16[16,32], f32[8,32]) {
+  %init = (u32[], bf16[8,16], bf16[16,32], f32[8,32]) parameter(0)
+  ROOT %loop = (u32[], bf16[8,16], bf16[16,32], f32[8,32]) while(%init), condition=%cond, \
+body=%body
+}
+"""
+
+
+def test_windowed_einsum_loops_count_every_trip():
+    assert hlo_cost.hlo_cost(WINDOWED_HLO).flops == 16 * 2 * 8 * 16 * 32
+    permutes = hlo.collectives(WINDOWED_HLO)[("collective-permute", "bf16")]
+    assert permutes["count"] == 16 and permutes["sent"] == 16 * 16 * 32 * 2
