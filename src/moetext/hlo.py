@@ -157,20 +157,56 @@ def call_multipliers(lines: list[str]) -> tuple[list[str | None], dict[str, int]
     return comp_of_line, {c: times(c) for c in set(comp_of_line) if c is not None}
 
 
+_INT_CONST_RE = re.compile(r"%?([\w.\-]+)\s*=\s*[su](?:8|16|32|64)\[\][^ ]*\s+constant\((\d+)\)")
+
+
 def _trip_count(while_line: str, body_of: dict[str | None, list[str]]) -> int:
-    """known_trip_count when XLA recorded it, else the loop bound: the one integer constant in
-    the condition computation (scan loops count from 0 while i < n; XLA:TPU's windowed-einsum
-    loops, a collective matmul's steps, count in u32 and carry no known_trip_count)."""
+    """known_trip_count when XLA recorded it, else ceil(bound / step): the bound is the one
+    integer constant in the condition computation, the step what the body adds to the counter
+    the condition reads (1 if it cannot be read); loops count from 0 while i < bound. Scan
+    loops step by 1; XLA:TPU's windowed-einsum loops (a collective matmul's steps) count in u32,
+    often by 2 (two chunks per trip, one per direction), and record no known_trip_count."""
     t = _TRIP_RE.search(while_line)
     if t:
         return int(t.group(1))
     cond = re.search(r"condition=%?([\w.\-]+)", while_line)
-    consts = [
-        int(c.group(1))
-        for line in body_of.get(cond.group(1) if cond else None, [])
-        if (c := re.search(r"=\s*[su](?:8|16|32|64)\[\][^ ]*\s+constant\((\d+)\)", line))
-    ]
-    return consts[0] if len(consts) == 1 else 1
+    cond_lines = body_of.get(cond.group(1) if cond else None, [])
+    consts = [int(c.group(2)) for line in cond_lines if (c := _INT_CONST_RE.search(line))]
+    if len(consts) != 1:
+        return 1
+    body = re.search(r"body=%?([\w.\-]+)", while_line)
+    step = _counter_step(cond_lines, body_of.get(body.group(1) if body else None, []))
+    return -(-consts[0] // step)
+
+
+def _counter_step(cond_lines: list[str], body_lines: list[str]) -> int:
+    """What a while body adds to the loop counter per trip: the tuple index the condition
+    compares, and that element of the body's ROOT tuple as add(counter, constant). 1 when the
+    text does not show it."""
+    index = next(
+        (
+            int(m.group(1))
+            for line in cond_lines
+            if "get-tuple-element(" in line and (m := re.search(r"index=(\d+)", line))
+        ),
+        None,
+    )
+    root = next((line for line in body_lines if line.lstrip().startswith("ROOT ")), "")
+    args = re.search(r"\btuple\((.*)\)", root)
+    if index is None or not args:
+        return 1
+    names = re.findall(r"%([\w.\-]+)", args.group(1))
+    if index >= len(names):
+        return 1
+    consts = {
+        m.group(1): int(m.group(2)) for line in body_lines if (m := _INT_CONST_RE.search(line))
+    }
+    for line in body_lines:
+        m = re.match(r"\s*%?([\w.\-]+)\s*=\s*\S+\s+add\(([^)]*)\)", line)
+        if m and m.group(1) == names[index]:
+            steps = [consts[o] for o in re.findall(r"%([\w.\-]+)", m.group(2)) if o in consts]
+            return steps[0] if len(steps) == 1 and steps[0] > 0 else 1
+    return 1
 
 
 def group_size(line: str, partitions: int) -> int:
