@@ -142,7 +142,8 @@ def test_fsdp_ep_puts_experts_on_the_expert_axis(chips8):
     )
     assert spec_at(b, "layers", 0, "mlp", "experts", "w_gate") == P("expert", "fsdp", None)
     assert spec_at(b, "layers", 0, "mlp", "experts", "w_down") == P("expert", None, "fsdp")
-    assert spec_at(b, "layers", 0, "attn", "w_q") == P("fsdp", None, None)
+    # Weights without an expert dim split embed over every chip (fsdp x expert), as under fsdp.
+    assert spec_at(b, "layers", 0, "attn", "w_q") == P(("fsdp", "expert"), None, None)
 
 
 def test_scanned_layers_keep_the_layers_dim_replicated(chips8):
