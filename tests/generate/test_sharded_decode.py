@@ -59,7 +59,8 @@ def test_presets_really_shard_the_weights(results):
     # w_gate [E=4, D=32, F=24], w_q [D=32, N=4, H=16]: what one of the 4 devices holds.
     want = {
         "fsdp": ({"fsdp": 4}, [4, 8, 24], [8, 4, 16], 1),
-        "fsdp_ep": ({"fsdp": 2, "expert": 2}, [2, 16, 24], [16, 4, 16], 2),
+        # fsdp_ep: experts over expert, their D over fsdp; w_q's D over fsdp x expert.
+        "fsdp_ep": ({"fsdp": 2, "expert": 2}, [2, 16, 24], [8, 4, 16], 2),
         "fsdp_tp": ({"fsdp": 2, "tensor": 2}, [4, 16, 12], [16, 2, 16], 1),
     }
     for preset, (mesh, w_gate, w_q, expert_shards) in want.items():

@@ -61,7 +61,7 @@ def test_param_specs_follow_each_preset(results):
     assert tp["embed"] == ["tensor", "fsdp"]
     assert ep["experts.w_gate"] == ["expert", "fsdp", None]
     assert ep["experts.w_down"] == ["expert", None, "fsdp"]
-    assert ep["embed"] == [None, "fsdp"]
+    assert ep["embed"] == [None, ["fsdp", "expert"]]  # no expert dim: over every chip
 
 
 def test_split_dense_gathers_reduce_scatter_each_dense_gradient_per_sub_axis(results):
