@@ -95,9 +95,12 @@ _SENT_PER_RESULT_BYTE = {
 def _ragged_bytes(
     line: str, shapes: Mapping[str, str], nbytes: float, dtypes: list[str]
 ) -> tuple[float, list[str], float]:
-    """(receive-buffer bytes, its element types, bytes of the rows to send) of a ragged
+    """(receive-buffer bytes, its element types, bytes of the rows it sends at most) of a ragged
     all-to-all line; the operand shapes are read from the line or, by name, from `shapes`.
-    Falls back to the result's bytes for both when an operand cannot be resolved."""
+    A shard sends at most its first operand (the rows to send) and, summed over a balanced
+    step, about what its buffer receives: the smaller of the two (the way back sends from a
+    receive buffer of up to P times the rows it returns). Falls back to the result's bytes for
+    both when an operand cannot be resolved."""
     m = _RAGGED_ARGS_RE.search(line)
 
     def resolve(arg: str) -> str | None:
@@ -109,7 +112,19 @@ def _ragged_bytes(
     if send is None or recv is None:
         return nbytes, dtypes, nbytes
     recv_bytes, recv_dtypes = array_bytes(recv)
-    return recv_bytes, recv_dtypes, array_bytes(send)[0]
+    return recv_bytes, recv_dtypes, min(array_bytes(send)[0], recv_bytes)
+
+
+def _module_defs(lines: list[str]) -> list[dict[str, str]]:
+    """Per module of the text, instruction name -> result shape, for every defining line."""
+    out: list[dict[str, str]] = []
+    for line in lines:
+        if line.startswith("HloModule") or not out:
+            out.append({})
+        d = _DEF_RE.match(line)
+        if d:
+            out[-1][d["name"]] = d["shape"]
+    return out
 
 
 def array_bytes(shape_text: str) -> tuple[float, list[str]]:
@@ -161,41 +176,50 @@ _INT_CONST_RE = re.compile(r"%?([\w.\-]+)\s*=\s*[su](?:8|16|32|64)\[\][^ ]*\s+co
 
 
 def _trip_count(while_line: str, body_of: dict[str | None, list[str]]) -> int:
-    """known_trip_count when XLA recorded it, else ceil(bound / step): the bound is the one
-    integer constant in the condition computation, the step what the body adds to the counter
-    the condition reads (1 if it cannot be read); loops count from 0 while i < bound. Scan
-    loops step by 1; XLA:TPU's windowed-einsum loops (a collective matmul's steps) count in u32,
-    often by 2 (two chunks per trip, one per direction), and record no known_trip_count."""
+    """known_trip_count when XLA recorded it, else, for a loop whose condition is `counter <
+    bound` (one integer constant), ceil(bound / step): the step is what the body adds to that
+    counter (1 if the text does not show it); loops count from 0. Scan loops step by 1;
+    XLA:TPU's windowed-einsum loops (a collective matmul's steps) count in u32, often by 2 (two
+    chunks per trip, one per direction), and record no known_trip_count. 1 for any other
+    condition (counted once)."""
     t = _TRIP_RE.search(while_line)
     if t:
         return int(t.group(1))
     cond = re.search(r"condition=%?([\w.\-]+)", while_line)
     cond_lines = body_of.get(cond.group(1) if cond else None, [])
-    consts = [int(c.group(2)) for line in cond_lines if (c := _INT_CONST_RE.search(line))]
-    if len(consts) != 1:
+    consts = {m.group(1): int(m.group(2)) for ln in cond_lines if (m := _INT_CONST_RE.search(ln))}
+    root = next((ln for ln in cond_lines if ln.lstrip().startswith("ROOT ")), "")
+    cmp = re.search(r"compare\(([^)]*)\).*?direction=(\w+)", root)
+    if len(consts) != 1 or not cmp or cmp.group(2) != "LT":
         return 1
+    names = re.findall(r"%([\w.\-]+(?:#\d+)?)", cmp.group(1))
+    if len(names) != 2 or names[1] not in consts:
+        return 1
+    index = _tuple_index(names[0], cond_lines)
     body = re.search(r"body=%?([\w.\-]+)", while_line)
-    step = _counter_step(cond_lines, body_of.get(body.group(1) if body else None, []))
-    return -(-consts[0] // step)
+    body_lines = body_of.get(body.group(1) if body else None, [])
+    step = 1 if index is None else _counter_step(index, body_lines)
+    return max(1, -(-consts[names[1]] // step))
 
 
-def _counter_step(cond_lines: list[str], body_lines: list[str]) -> int:
-    """What a while body adds to the loop counter per trip: the tuple index the condition
-    compares, and that element of the body's ROOT tuple as add(counter, constant). 1 when the
-    text does not show it."""
-    index = next(
-        (
-            int(m.group(1))
-            for line in cond_lines
-            if "get-tuple-element(" in line and (m := re.search(r"index=(\d+)", line))
-        ),
-        None,
-    )
+def _tuple_index(name: str, cond_lines: list[str]) -> int | None:
+    """Which element of the loop's tuple a condition operand is: `%param#k` (XLA's dump form),
+    or a get-tuple-element(..., index=k) of the parameter; None otherwise."""
+    if "#" in name:
+        return int(name.rsplit("#", 1)[1])
+    for line in cond_lines:
+        d = re.match(r"\s*%?([\w.\-]+)\s*=.*\bget-tuple-element\(.*?index=(\d+)", line)
+        if d and d.group(1) == name:
+            return int(d.group(2))
+    return None
+
+
+def _counter_step(index: int, body_lines: list[str]) -> int:
+    """What a while body adds per trip to element `index` of the loop tuple: that element of
+    the body's ROOT tuple as add(counter, constant). 1 when the text does not show it."""
     root = next((line for line in body_lines if line.lstrip().startswith("ROOT ")), "")
     args = re.search(r"\btuple\((.*)\)", root)
-    if index is None or not args:
-        return 1
-    names = re.findall(r"%([\w.\-]+)", args.group(1))
+    names = re.findall(r"%([\w.\-]+)", args.group(1)) if args else []
     if index >= len(names):
         return 1
     consts = {
@@ -281,8 +305,13 @@ def collectives(
     out: dict[tuple[str, str], dict[str, float]] = defaultdict(
         lambda: {"count": 0, "bytes": 0.0, "sent": 0.0}
     )
-    defs: dict[str, str] | None = None  # instruction name -> result shape, built on demand
+    # (module, instruction name) -> result shape, built on demand: names are unique within a
+    # module, and a step's text may hold several (aot.hlo_text joins its programs).
+    defs: list[dict[str, str]] | None = None
+    module = -1  # index into _module_defs: one per HloModule line (text without one: module 0)
     for line, comp in zip(lines, comp_of_line, strict=True):
+        if line.startswith("HloModule") or module < 0:
+            module += 1
         m = _OP_RE.search(line)
         if not m or "-done(" in line:
             continue
@@ -291,10 +320,10 @@ def collectives(
         sent_base = nbytes
         if op == "ragged-all-to-all":
             if defs is None:
-                defs = {d["name"]: d["shape"] for d in map(_DEF_RE.match, lines) if d}
+                defs = _module_defs(lines)
             # Bytes: the receive buffer (its result, however the op's tuple prints); sent: the
-            # rows it sends, at most its first operand (all of it when routing is balanced).
-            nbytes, dtypes, sent_base = _ragged_bytes(line, defs, nbytes, dtypes)
+            # rows it sends (_ragged_bytes).
+            nbytes, dtypes, sent_base = _ragged_bytes(line, defs[module], nbytes, dtypes)
         if op == "all-reduce" and comp is not None and comp.startswith("all-reduce-scatter"):
             # XLA:TPU's fused form of a reduce-scatter: an all-reduce and a dynamic-slice in a
             # computation of this name, run by the same emitter as its reduce-scatter ops

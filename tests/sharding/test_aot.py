@@ -47,6 +47,7 @@ backend_config={"known_trip_count":{"n":"48"}}
   %recv = f32[128,1,128]{2,1,0} broadcast(f32[] %zero), dimensions={}
   %rag.1 = f32[128,1,128]{2,1,0} ragged-all-to-all(%rows, %recv, %i, %i, %i, /*index=5*/%i), \
 replica_groups={{0,1},{2,3}}
+  %back = bf16[16,8]{1,0} ragged-all-to-all(bf16[64,8]{1,0} %rag, bf16[16,8]{1,0} %z, s32[4] %i)
   %q8 = f8e4m3fn[128,2048,768]{2,1,0} all-gather(f8e4m3fn[128,64,768]{2,1,0} %w), dimensions={1}
 }
 """
@@ -58,7 +59,7 @@ def test_collective_parser_counts_scan_bodies_per_trip():
     assert got[("all-reduce", "f32")] == {"count": 48, "bytes": 48 * 4 * 4}
     assert got[("reduce-scatter", "f32")] == {"count": 1, "bytes": 2 * 3 * 4}
     assert got[("all-to-all", "bf16")] == {"count": 1, "bytes": 2 * 4 * 2 * 2}
-    assert got[("ragged-all-to-all", "bf16")] == {"count": 1, "bytes": 64 * 8 * 2}
+    assert got[("ragged-all-to-all", "bf16")] == {"count": 2, "bytes": (64 + 16) * 8 * 2}
     assert got[("ragged-all-to-all", "f32")] == {"count": 1, "bytes": 128 * 128 * 4}
     assert got[("all-gather", "f8e4m3fn")] == {"count": 1, "bytes": 128 * 2048 * 768}
     # XLA:TPU's fused all-reduce + dynamic-slice form of a reduce-scatter is named apart.
@@ -82,7 +83,8 @@ def test_sent_bytes_follow_the_ring_estimate_per_group_size():
     # A ragged all-to-all sends its first operand's rows, (g-1)/g of them off-chip when
     # balanced: not its receive buffer (sized for the worst case). Operand shapes as XLA's dumps
     # print them, or (compiled.as_text()) by name from their definitions.
-    assert sent[("ragged-all-to-all", "bf16")] == 16 * 8 * 2 * 3 / 4
+    # The way back (%back) sends from the 64-row receive buffer at most the 16 rows it returns.
+    assert sent[("ragged-all-to-all", "bf16")] == 2 * 16 * 8 * 2 * 3 / 4
     assert sent[("ragged-all-to-all", "f32")] == 32 * 128 * 4 * 1 / 2
     # XLA:TPU's fused reduce-scatter: 3/4 of its full-size input, as a reduce-scatter sends.
     assert sent[("all-reduce-scatter", "f32")] == 8 * 4 * 4 * 3 / 4

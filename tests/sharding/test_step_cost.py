@@ -273,10 +273,30 @@ body=%body
 """
 
 
+# XLA's dump form (MaxText's rows) reads the counter as `%param#k`, with no get-tuple-element.
+_DUMP_FORM = (
+    "  %i = u32[] get-tuple-element(%p), index=0\n",
+    "",
+    "compare(%i, %n), direction=LT",
+    "compare(%p#0, %n), direction=LT",
+)
+
+
+@pytest.mark.parametrize("form", ["as_text", "dump"])
 @pytest.mark.parametrize("step", [1, 2])
-def test_windowed_einsum_loops_count_every_trip(step):
+def test_windowed_einsum_loops_count_every_trip(step, form):
     text = WINDOWED_HLO.replace("%one = u32[] constant(1)", f"%one = u32[] constant({step})")
+    if form == "dump":
+        gte, none, cmp, cmp_dump = _DUMP_FORM
+        assert gte in text and cmp in text
+        text = text.replace(gte, none).replace(cmp, cmp_dump)
     trips = 16 // step
     assert hlo_cost.hlo_cost(text).flops == trips * 2 * 8 * 16 * 32
     permutes = hlo.collectives(text)[("collective-permute", "bf16")]
     assert permutes["count"] == trips and permutes["sent"] == trips * 16 * 32 * 2
+
+
+def test_a_loop_condition_other_than_counter_below_bound_counts_once():
+    # A count-down loop (i > 0) or any other condition is not read as a trip count.
+    text = WINDOWED_HLO.replace("direction=LT", "direction=GT")
+    assert hlo_cost.hlo_cost(text).flops == 2 * 8 * 16 * 32
