@@ -6,7 +6,7 @@
 # GMM_BACKEND=pallas_tpu (MaxText: 20.1 GB); docs/performance.md "AOT memory per chip".
 # Expert parallelism with a bounded exchange (the step-cost table's second moetext column):
 #   bash end_to_end/tpu/qwen3-30b-a3b/aot.sh sharding.preset=fsdp_ep sharding.mesh.expert=8 \
-#     moe.ep_buffer_factor=1.25 kernels.gmm_backend=pallas_tpu cost=true
+#     moe.ep_buffer_factor=1.0 kernels.gmm_backend=pallas_tpu cost=true
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 exec .venv/bin/python scripts/aot_compile.py configs/models/qwen3-30b-a3b.yml \
