@@ -62,10 +62,11 @@ ALL_GATHER_DTYPES = r"stablehlo\.all_gather.*?->\s*tensor<[0-9x]*x(\w+)>"
 Named = dict[str, np.ndarray]  # "loss", "y", "grad_x", aux losses, "grad_<param path>": float64
 
 
-def block_graphdef(kernels: KernelsConfig) -> nnx.GraphDef[Any]:
-    """The MoE block's graph for `kernels`; every variant has the same params (seed 0)."""
+def block_graphdef(kernels: KernelsConfig, cfg: MoEConfig = CFG) -> nnx.GraphDef[Any]:
+    """The MoE block's graph for `kernels` (and `cfg`); every variant has the same params (seed
+    0)."""
     block = MoEBlock(
-        CFG,
+        cfg,
         gmm_from_config(kernels),
         emb_dim=32,
         init_std=0.3,
@@ -496,17 +497,7 @@ def main() -> None:
         res["block"]["one_device_layout"] = repr(ep.layout_from_context(CFG.num_experts))
     res["block"]["ep4_ragged"] = check_ragged_exchange(block, ref)
     res["bounded"] = check_bounded_exchange()
-    bounded = nnx.split(
-        MoEBlock(
-            dataclasses.replace(CFG, ep_buffer_factor=0.5),
-            gmm_from_config(KernelsConfig()),
-            emb_dim=32,
-            init_std=0.3,
-            param_dtype=F32,
-            dtype=F32,
-            rngs=nnx.Rngs(params=0),
-        )
-    )[0]
+    bounded = block_graphdef(KernelsConfig(), dataclasses.replace(CFG, ep_buffer_factor=0.5))
     with logical.use_rules(mesh_of((1, 1, 4, 1)), RULES):
         got, _ = block.run(bounded)
     # The block reports what the bound dropped (the same params: dropped rows differ from ref).
