@@ -60,6 +60,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 from jax.typing import DTypeLike
 
@@ -396,6 +397,34 @@ def recv_rows(m: int, p: int, buffer_factor: float) -> int:
     if buffer_factor == 0:
         return p * m
     return min(p * m, -(-math.ceil(buffer_factor * m) // 8) * 8)
+
+
+def bound_drops(
+    ids_TK: np.ndarray, num_experts: int, expert_shards: int, token_shards: int, factor: float
+) -> tuple[int, int]:
+    """(assignments dropped, assignments) for global expert ids [T, K] dispatched under a
+    receive bound of `factor` (`moe.ep_buffer_factor`; 0: none), offline, in NumPy: T split into
+    `token_shards` contiguous shards, each run of `expert_shards` consecutive token shards one EP
+    group (the expert axis innermost, as fsdp_ep lays it out), the same counts and bound as
+    `_Counts` (a receiver's R rows taken source by source). For routing traces
+    (`train.routing_trace`, scripts/ep_bound.py)."""
+    t, k = ids_TK.shape
+    p = expert_shards
+    if num_experts % p or token_shards % p or t % token_shards:
+        raise ValueError(
+            f"bound_drops: {num_experts} experts, {token_shards} token shards and {t} tokens "
+            f"must all split over {p} expert shards (token shards over the tokens)"
+        )
+    m = t // token_shards * k
+    r = recv_rows(m, p, factor)
+    dest = (ids_TK.reshape(token_shards // p, p, m) // (num_experts // p)).astype(np.int64)
+    # s[g, i, j]: rows source i of group g sends to shard j.
+    s = np.zeros((token_shards // p, p, p), np.int64)
+    groups, sources = np.indices(dest.shape[:2])
+    np.add.at(s, (groups[..., None], sources[..., None], dest), 1)
+    before = np.cumsum(s, axis=1) - s  # rows of sources < i already in receiver j
+    kept = np.clip(r - before, 0, s)
+    return int(np.sum(s - kept)), t * k
 
 
 class _Counts:
