@@ -74,7 +74,7 @@ def decode(model: Any, plan: Plan | None) -> tuple[Generated, int]:
     calls = 0
     dropless = ep.dropless
 
-    def counted(*args: Any, **kwargs: Any) -> jax.Array:
+    def counted(*args: Any, **kwargs: Any) -> tuple[jax.Array, jax.Array]:
         nonlocal calls
         calls += 1
         return dropless(*args, **kwargs)
