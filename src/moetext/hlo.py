@@ -86,8 +86,8 @@ _SENT_PER_RESULT_BYTE = {
     # per byte of the full-size all-reduce inside the fusion: a reduce-scatter of that input
     "all-reduce-scatter": lambda g: (g - 1) / g,
     "all-to-all": lambda g: (g - 1) / g,
-    # per byte of the rows to send (the first operand): the (g-1)/g of them bound elsewhere
-    # when every destination gets its share; a bound on the data-dependent count
+    # per byte it sends at most (_ragged_bytes): (g-1)/g of it leaves the chip when every
+    # destination gets its share; a bound on the data-dependent count
     "ragged-all-to-all": lambda g: (g - 1) / g,
 }
 
@@ -188,8 +188,7 @@ def _trip_count(while_line: str, body_of: dict[str | None, list[str]]) -> int:
     cond = re.search(r"condition=%?([\w.\-]+)", while_line)
     cond_lines = body_of.get(cond.group(1) if cond else None, [])
     consts = {m.group(1): int(m.group(2)) for ln in cond_lines if (m := _INT_CONST_RE.search(ln))}
-    root = next((ln for ln in cond_lines if ln.lstrip().startswith("ROOT ")), "")
-    cmp = re.search(r"compare\(([^)]*)\).*?direction=(\w+)", root)
+    cmp = re.search(r"compare\(([^)]*)\).*?direction=(\w+)", _root(cond_lines))
     if len(consts) != 1 or not cmp or cmp.group(2) != "LT":
         return 1
     names = re.findall(r"%([\w.\-]+(?:#\d+)?)", cmp.group(1))
@@ -200,6 +199,11 @@ def _trip_count(while_line: str, body_of: dict[str | None, list[str]]) -> int:
     body_lines = body_of.get(body.group(1) if body else None, [])
     step = 1 if index is None else _counter_step(index, body_lines)
     return max(1, -(-consts[names[1]] // step))
+
+
+def _root(comp_lines: list[str]) -> str:
+    """A computation's ROOT line ("" if none)."""
+    return next((line for line in comp_lines if line.lstrip().startswith("ROOT ")), "")
 
 
 def _tuple_index(name: str, cond_lines: list[str]) -> int | None:
@@ -217,8 +221,7 @@ def _tuple_index(name: str, cond_lines: list[str]) -> int | None:
 def _counter_step(index: int, body_lines: list[str]) -> int:
     """What a while body adds per trip to element `index` of the loop tuple: that element of
     the body's ROOT tuple as add(counter, constant). 1 when the text does not show it."""
-    root = next((line for line in body_lines if line.lstrip().startswith("ROOT ")), "")
-    args = re.search(r"\btuple\((.*)\)", root)
+    args = re.search(r"\btuple\((.*)\)", _root(body_lines))
     names = re.findall(r"%([\w.\-]+)", args.group(1)) if args else []
     if index >= len(names):
         return 1
@@ -305,7 +308,7 @@ def collectives(
     out: dict[tuple[str, str], dict[str, float]] = defaultdict(
         lambda: {"count": 0, "bytes": 0.0, "sent": 0.0}
     )
-    # (module, instruction name) -> result shape, built on demand: names are unique within a
+    # Per module, instruction name -> result shape, built on demand: names are unique within a
     # module, and a step's text may hold several (aot.hlo_text joins its programs).
     defs: list[dict[str, str]] | None = None
     module = -1  # index into _module_defs: one per HloModule line (text without one: module 0)

@@ -302,7 +302,7 @@ def _shard_body(
         m = xs_mD.shape[0]
         counts = _Counts(sizes_PE, p, n_local, recv_rows(m, p, buffer_factor))
         exchange = _RaggedExchange if layout.exchange == "ragged" else _PaddedExchange
-        ex = exchange(axes, p, n_local, me, counts, m)
+        ex = exchange(axes, p, me, counts, m)
         recv_RD, local_R = ex.forward(xs_mD)
         # Received rows come source-major; gmm needs them grouped by expert (stable: padding,
         # key n_local, sorts last, past sum(group_sizes), where gmm writes zeros).
@@ -330,8 +330,7 @@ def _shard_body(
         )
         ys_mD = ex.backward(dsp.rows(ys_RD, unsort_R, unique=True))
         y = _back_to_tokens(ys_mD, order_m, k, weights_tK is not None, dtype)
-        dropped = jnp.sum(counts.s_PP[:, me] - counts.kept_PP[:, me]).astype(jnp.float32)
-        return y, dropped[None]
+        return y, counts.dropped(me).astype(jnp.float32)[None]
 
     return body
 
@@ -403,11 +402,11 @@ def bound_drops(
     ids_TK: np.ndarray, num_experts: int, expert_shards: int, token_shards: int, factor: float
 ) -> tuple[int, int]:
     """(assignments dropped, assignments) for global expert ids [T, K] dispatched under a
-    receive bound of `factor` (`moe.ep_buffer_factor`; 0: none), offline, in NumPy: T split into
+    receive bound of `factor` (`moe.ep_buffer_factor`; 0: none), offline: T split into
     `token_shards` contiguous shards, each run of `expert_shards` consecutive token shards one EP
-    group (the expert axis innermost, as fsdp_ep lays it out), the same counts and bound as
-    `_Counts` (a receiver's R rows taken source by source). For routing traces
-    (`train.routing_trace`, scripts/ep_bound.py)."""
+    group (the expert axis innermost, as fsdp_ep lays it out), each group's per-expert counts
+    bounded by `_Counts`, as the exchange bounds them (a receiver's R rows taken source by
+    source). For routing traces (`train.routing_trace`, scripts/ep_bound.py)."""
     t, k = ids_TK.shape
     p = expert_shards
     if num_experts % p or token_shards % p or t % token_shards:
@@ -415,16 +414,15 @@ def bound_drops(
             f"bound_drops: {num_experts} experts, {token_shards} token shards and {t} tokens "
             f"must all split over {p} expert shards (token shards over the tokens)"
         )
-    m = t // token_shards * k
+    m, n_local = t // token_shards * k, num_experts // p
+    # sizes_GPE[g, i, e]: rows source i of EP group g sends to expert e, as `dropless` gathers them.
+    ids_GPm = ids_TK.reshape(token_shards // p, p, m)
+    sizes_GPE = np.zeros((*ids_GPm.shape[:2], num_experts), np.int32)
+    groups, sources = np.indices(ids_GPm.shape[:2])
+    np.add.at(sizes_GPE, (groups[..., None], sources[..., None], ids_GPm), 1)
     r = recv_rows(m, p, factor)
-    dest = (ids_TK.reshape(token_shards // p, p, m) // (num_experts // p)).astype(np.int64)
-    # s[g, i, j]: rows source i of group g sends to shard j.
-    s = np.zeros((token_shards // p, p, p), np.int64)
-    groups, sources = np.indices(dest.shape[:2])
-    np.add.at(s, (groups[..., None], sources[..., None], dest), 1)
-    before = np.cumsum(s, axis=1) - s  # rows of sources < i already in receiver j
-    kept = np.clip(r - before, 0, s)
-    return int(np.sum(s - kept)), t * k
+    dropped = jax.vmap(lambda s_PE: _Counts(s_PE, p, n_local, r).dropped())(sizes_GPE)
+    return int(jnp.sum(dropped)), t * k
 
 
 class _Counts:
@@ -440,6 +438,20 @@ class _Counts:
         self.kept_PP = jnp.clip(r - _exclusive_cumsum(self.s_PP, 0), 0, self.s_PP)
         kept_PPL = jnp.clip(self.kept_PP[..., None] - _exclusive_cumsum(sizes_PPL, 2), 0, sizes_PPL)
         self.kept_PE = kept_PPL.reshape(p, p * n_local)
+        self.n_local = n_local
+
+    def dropped(self, me: jax.Array | None = None) -> jax.Array:
+        """Rows the bound drops: at receiver `me`, or (None) in the whole group."""
+        dropped_PP = self.s_PP - self.kept_PP
+        return jnp.sum(dropped_PP if me is None else dropped_PP[:, me])
+
+    def send_start(self, me: jax.Array) -> jax.Array:
+        """[P]: where source `me`'s rows for each destination start in its sorted rows."""
+        return _exclusive_cumsum(self.s_PP[me], 0)
+
+    def mine(self, me: jax.Array) -> jax.Array:
+        """[P, L]: rows receiver `me` keeps from each source, per local expert."""
+        return jax.lax.dynamic_slice_in_dim(self.kept_PE, me * self.n_local, self.n_local, axis=1)
 
 
 def _count_le(ends: jax.Array, rows: jax.Array) -> jax.Array:
@@ -456,7 +468,6 @@ class _PaddedExchange:
         self,
         axes: tuple[str, ...],
         p: int,
-        n_local: int,
         me: jax.Array,
         counts: _Counts,
         m: int,
@@ -464,11 +475,10 @@ class _PaddedExchange:
         self.axes, self.p, self.m, self.c = axes, p, m, min(m, counts.r)
         # Destination j's rows start at send_start_P[j] of the sorted rows; the first send_P[j]
         # of them are sent (all but what j's receive bound drops).
-        self.ends_P = jnp.cumsum(counts.s_PP[me])
-        self.send_start_P = self.ends_P - counts.s_PP[me]
+        self.send_start_P = counts.send_start(me)
+        self.ends_P = self.send_start_P + counts.s_PP[me]
         self.send_P = counts.kept_PP[me]
-        # From source i this shard receives, per local expert, kept_PE[i, me*L:(me+1)*L] rows.
-        self.mine_PL = jax.lax.dynamic_slice_in_dim(counts.kept_PE, me * n_local, n_local, axis=1)
+        self.mine_PL = counts.mine(me)
 
     def forward(self, xs_mD: jax.Array) -> tuple[jax.Array, jax.Array]:
         slot_C = jnp.arange(self.c, dtype=jnp.int32)
@@ -504,7 +514,6 @@ class _RaggedExchange:
         self,
         axes: tuple[str, ...],
         p: int,
-        n_local: int,
         me: jax.Array,
         counts: _Counts,
         m: int,
@@ -514,13 +523,13 @@ class _RaggedExchange:
         # This shard sends destination j the first send_P[j] of the rows that start at
         # send_start_P[j] of its sorted rows, and receives recv_P[i] from source i.
         self.send_P, self.recv_P = kept_PP[me], kept_PP[:, me]
-        self.send_start_P = _exclusive_cumsum(counts.s_PP[me], 0)
+        self.send_start_P = counts.send_start(me)
         self.recv_start_P = _exclusive_cumsum(self.recv_P, 0)
         # Where this shard's rows land in receiver j (after those of shards i < me), and where
         # receiver j's chunk started in source i's sorted rows (for the way back).
         self.out_offsets_P = _exclusive_cumsum(kept_PP, 0)[me]
         self.back_offsets_P = _exclusive_cumsum(counts.s_PP, 1)[:, me]
-        self.mine_PL = jax.lax.dynamic_slice_in_dim(counts.kept_PE, me * n_local, n_local, axis=1)
+        self.mine_PL = counts.mine(me)
 
     def forward(self, xs_mD: jax.Array) -> tuple[jax.Array, jax.Array]:
         out = jnp.zeros((self.r, xs_mD.shape[1]), xs_mD.dtype)
