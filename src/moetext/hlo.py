@@ -127,6 +127,26 @@ def _module_defs(lines: list[str]) -> list[dict[str, str]]:
     return out
 
 
+_CUSTOM_CALL_ARGS_RE = re.compile(r"custom-call\(([^)]*)\)")
+
+
+def custom_call_operands(text: str, name: str) -> dict[str, list[str]]:
+    """For each custom call whose line contains `name` (a Pallas kernel's name), its operands'
+    result shapes with their layouts, in order: `S(1)` in a layout is VMEM, none is HBM."""
+    lines = text.splitlines()
+    defs, out, module = _module_defs(lines), {}, -1
+    for line in lines:
+        if line.startswith("HloModule") or module < 0:
+            module += 1
+        if name not in line or "custom-call(" not in line:
+            continue
+        d, args = _DEF_RE.match(line), _CUSTOM_CALL_ARGS_RE.search(line)
+        if d and args:
+            names = re.findall(r"%([\w.\-]+)", args[1])
+            out[d["name"]] = [defs[module].get(n, "?") for n in names]
+    return out
+
+
 def array_bytes(shape_text: str) -> tuple[float, list[str]]:
     """Bytes of an HLO result shape such as bf16[128,2048]{1,0} or a tuple of them."""
     total, dtypes = 0.0, []

@@ -80,7 +80,7 @@ def test_auto_decodes_through_the_fused_kernel_where_it_can(overrides, fused):
     # kernels.decode_moe=auto on TPU: the Mosaic kernels in shard_map when the rules split the
     # expert weights along E (fsdp_ep) or D (fsdp) and F is a multiple of 128; else the loop
     # path (fsdp_tp splits F over `tensor`; the tiny config's F = 64).
-    from moetext import aot, step_cost
+    from moetext import aot, hlo, step_cost
 
     cfg = config.load(REPO / "configs/models/tiny-qwen3-moe.yml", overrides)
     r, compiled = aot.compiled_decode_step(cfg, "v5e:2x2", batch=8, cache_len=256)
@@ -89,3 +89,12 @@ def test_auto_decodes_through_the_fused_kernel_where_it_can(overrides, fused):
         r["decode_moe"] == "auto" and step_cost.decode_step_cost(r, text)["hbm_bytes_accessed"] > 0
     )
     assert ("moetext_fused_" in text) == fused
+    # The kernels read their expert weights through their own DMAs from HBM: XLA must not
+    # stage a weight shard in VMEM (S(1)) before them, which it did for these small shards
+    # (the inactive experts' too) while the weights were BlockSpec'd operands.
+    kernels = hlo.custom_call_operands(text, "moetext_fused_")
+    assert len(kernels) == (4 if "sharding.preset=fsdp" in overrides else 2) * fused
+    for name, shapes in kernels.items():
+        weights = shapes[-2:] if name.startswith("moetext_fused_moe") else shapes[-1:]
+        assert all(hlo.ARRAY_RE.match(sh)[2].count(",") == 2 for sh in weights), shapes
+        assert all("S(1)" not in sh for sh in weights), (name, shapes)

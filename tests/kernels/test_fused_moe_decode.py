@@ -94,19 +94,39 @@ def test_no_active_expert_gives_zeros():
 
 
 def test_tpu_faithful_interpreter_and_bfloat16():
-    # InterpretParams: uninitialised VMEM is NaN and DMAs are modelled, so a skipped pad slot
-    # that read or wrote the wrong block would show. bf16 operands, f32 accumulation: bf16's
-    # rounding of h and of y, 2e-2 relative to the largest output.
+    # InterpretParams: uninitialised VMEM is NaN, a DMA lands only when it is waited on, and
+    # races between the kernel's own DMAs and its reads of the buffers raise. Two F blocks per
+    # slot, so the weight stream alternates its buffers within and across slots. bf16
+    # operands, f32 accumulation: bf16's rounding of h and of y, 2e-2 relative to the largest
+    # output.
     x, ids, w, w_gu, w_dn = operands(6, 2, 8, 128, 256, seed=1)
     bf = [jnp.asarray(a, jnp.bfloat16) for a in (x, w_gu, w_dn)]
     got = md.fused_moe(
-        bf[0], jnp.asarray(ids), jnp.asarray(w), bf[1], bf[2], interpret=pltpu.InterpretParams()
+        bf[0],
+        jnp.asarray(ids),
+        jnp.asarray(w),
+        bf[1],
+        bf[2],
+        block_f=128,
+        interpret=pltpu.InterpretParams(detect_races=True),
     )
     assert got.dtype == jnp.bfloat16
     want = oracle(*(np.asarray(a, np.float64) for a in (bf[0], ids, w, bf[1], bf[2])))
     np.testing.assert_allclose(
         np.asarray(got, np.float64), want, atol=2e-2 * np.abs(want).max(), rtol=0
     )
+
+
+def test_d_split_kernels_under_the_tpu_faithful_interpreter():
+    # The D-split pair's weight streams, as above: 3 F blocks per slot, float32 (1e-5).
+    x, ids, w, w_gu, w_dn = operands(5, 2, 8, 128, 384, seed=4)
+    got = mds.split_reference(
+        *map(jnp.asarray, (x, ids, w, w_gu, w_dn)),
+        block_f=128,
+        interpret=pltpu.InterpretParams(detect_races=True),
+    )
+    want = oracle(x, ids, w, w_gu, w_dn)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 * np.abs(want).max(), rtol=0)
 
 
 def test_matches_the_jnp_reference():

@@ -9,11 +9,13 @@ with prefused w_gate_up [E, D, 2F] ([gate | up] on the last axis) and w_down [E,
 step is memory-bound: the bytes are the active experts' weights, the FLOPs are negligible. So
 outside the kernel the sorted distinct experts of ids_TK go into S slots (a slot past the active
 count repeats the last active expert) and, with that count, reach the kernel as scalar prefetch.
-The grid (S, J) visits slot s, block j: its index maps pick expert slots[s]'s gate block
-(columns j), up block (columns J + j) and down block (rows j), so each active expert's weights
-stream through VMEM once, double-buffered, and no [T, K, D, 2F] gather copy exists. A slot past
-the active count maps to the block the last active step read: Pallas skips the DMA of an
-unchanged block, and the body is skipped too. Per step, over ALL T rows (T is small; the FLOPs
+The grid (S, J) visits slot s, block j. The weights stay in HBM (`pltpu.HBM` operands) and the
+kernel copies what step (s, j) needs itself: expert slots[s]'s gate block (columns j), up block
+(columns J + j) and down block (rows j), into one of two VMEM buffers while the step before
+multiplies on the other (`WeightStream`). So each active expert's weights stream through VMEM
+once, no [T, K, D, 2F] gather copy exists, and XLA cannot stage a whole [E, ...] weight in VMEM
+ahead of the kernel (reading inactive experts too). Steps past the active count copy nothing
+and skip their body. Per step, over ALL T rows (T is small; the FLOPs
 of rows not routed to the expert are cheaper than gathering them):
 
     h_TF = silu(x_TD @ gate_Dtf) * (x_TD @ up_Dtf);  c_T = sum_k (ids_TK == e) * w_TK
@@ -26,7 +28,8 @@ the combine weights as given. `fused_moe_reference` is the same computation in j
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -73,29 +76,116 @@ def active_slots(ids_TK: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Ar
     return slots_S, n.reshape(1).astype(jnp.int32)
 
 
-class SlotMaps:
-    """The BlockSpec index maps of a (slot s, F block j) grid with the scalar-prefetched
-    (slots, n_active) refs: expert slots[s]'s gate block (columns j of [gate | up]), up block
-    (columns J + j), down block (rows j), and a whole operand. A slot past the active count
-    stays on the last active step's block (`block`): Pallas skips an unchanged block's DMA."""
+def whole(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
+    """The index map of an operand every grid step sees whole (x, the routing, y)."""
+    return jnp.int32(0), jnp.int32(0)
 
-    def __init__(self, num_f: int):
-        self.num_f = num_f
 
-    def block(self, j: jax.Array, s_: jax.Array, n_ref: Ref) -> jax.Array:
-        return jnp.where(s_ < n_ref[0], j, self.num_f - 1)
+def slot_block(j: jax.Array, s_: jax.Array, n_ref: Ref, num_f: int) -> jax.Array:
+    """F block j of slot s_, or the last block past the active count: a BlockSpec'd operand
+    (fused_down's h) then stays on the block the last active step read, so no DMA runs."""
+    return jnp.where(s_ < n_ref[0], j, num_f - 1)
 
-    def gate(self, s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
-        return slots[s_], jnp.int32(0), self.block(j, s_, n_ref)
 
-    def up(self, s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
-        return slots[s_], jnp.int32(0), self.num_f + self.block(j, s_, n_ref)
+# A window of one weight operand: (expert e, F block j) -> the ref view to copy.
+Window = Callable[[jax.Array, jax.Array], Ref]
 
-    def down(self, s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
-        return slots[s_], self.block(j, s_, n_ref), jnp.int32(0)
 
-    def whole(self, s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
-        return jnp.int32(0), jnp.int32(0)
+class Copy(Protocol):
+    """What `pltpu.make_async_copy` returns (its class is not exported)."""
+
+    def start(self) -> None: ...
+
+    def wait(self) -> None: ...
+
+
+class WeightStream:
+    """The kernel's own DMAs of expert weight blocks from HBM into VMEM, double-buffered over
+    the (slot s, F block j) grid's active steps (step = s * J + j < n_active * J).
+
+    The weights are `pltpu.HBM` operands: XLA cannot stage a whole [E, ...] weight (or a
+    whole local shard of it) in VMEM ahead of the kernel, which it may do for a BlockSpec'd
+    operand that fits and which reads every expert, active or not. Each window names the
+    block of expert slots[s] that step (s, j) needs; step i's blocks land in buffer i % 2.
+    The first active step starts its own copies; every active step starts the next step's
+    copies into the other buffer before it waits for its own, so the next block streams in
+    while this one multiplies. Steps past the active count copy nothing."""
+
+    def __init__(
+        self,
+        slots_ref: Ref,
+        n_ref: Ref,
+        num_f: int,
+        windows: Sequence[tuple[Window, Ref]],
+        sems: Ref,
+    ):
+        self.slots_ref, self.n_ref, self.num_f = slots_ref, n_ref, num_f
+        self.windows, self.sems = windows, sems
+
+    def _copies(self, step: jax.Array, buf: jax.Array) -> list[Copy]:
+        e = self.slots_ref[jax.lax.div(step, self.num_f)]
+        j = jax.lax.rem(step, self.num_f)
+        return [
+            pltpu.make_async_copy(window(e, j), vmem.at[buf], self.sems.at[buf, c])
+            for c, (window, vmem) in enumerate(self.windows)
+        ]
+
+    def advance(self, si: jax.Array, j: jax.Array) -> jax.Array:
+        """At grid step (si, j): start what is due, wait for this step's blocks if it is
+        active, and return the buffer (0 or 1) they are in."""
+        step = si * self.num_f + j
+        total = self.n_ref[0] * self.num_f
+        buf = jax.lax.rem(step, 2)
+
+        @pl.when((step == 0) & (total > 0))
+        def _() -> None:
+            for copy in self._copies(step, buf):
+                copy.start()
+
+        @pl.when(step + 1 < total)
+        def _() -> None:
+            for copy in self._copies(step + 1, 1 - buf):
+                copy.start()
+
+        @pl.when(step < total)
+        def _() -> None:
+            for copy in self._copies(step, buf):
+                copy.wait()
+
+        return buf
+
+
+def gate_up_windows(w_gate_up: Ref, f: int, tf: int) -> tuple[Window, Window]:
+    """Expert e's gate block j (columns j of [gate | up]) and up block j (columns F/tf + j)."""
+
+    def gate(e: jax.Array, j: jax.Array) -> Ref:
+        return w_gate_up.at[e, :, pl.ds(pl.multiple_of(j * tf, tf), tf)]
+
+    def up(e: jax.Array, j: jax.Array) -> Ref:
+        return w_gate_up.at[e, :, pl.ds(pl.multiple_of(f + j * tf, tf), tf)]
+
+    return gate, up
+
+
+def down_window(w_down: Ref, tf: int) -> Window:
+    """Expert e's down block j (rows j of [F, D])."""
+
+    def down(e: jax.Array, j: jax.Array) -> Ref:
+        return w_down.at[e, pl.ds(pl.multiple_of(j * tf, tf), tf), :]
+
+    return down
+
+
+# A weight operand the kernel reads through its own DMAs (`WeightStream`): a raw HBM ref in the
+# kernel, and (`in_hbm`) an array XLA must place in HBM.
+HBM_SPEC = pl.BlockSpec(memory_space=pltpu.HBM)
+
+
+def in_hbm(w: jax.Array) -> jax.Array:
+    """w, constrained to HBM as a pallas_call operand. Without it XLA:TPU's memory-space
+    assignment may stage the whole array in VMEM before the kernel when it fits (a local
+    shard of a small model's experts does), copying the inactive experts as well."""
+    return pltpu.with_memory_space_constraint(w, pltpu.HBM)
 
 
 def fused_moe(
@@ -142,15 +232,12 @@ def fused_moe(
     ids_pK = jnp.pad(ids_TK.astype(jnp.int32), ((0, tp - t), (0, 0)), constant_values=-1)
     w_pK = jnp.pad(w_TK.astype(jnp.float32), ((0, tp - t), (0, 0)))
 
-    maps = SlotMaps(nf)
-
     in_specs = [
-        pl.BlockSpec((tp, d), maps.whole),
-        pl.BlockSpec((tp, k), maps.whole),
-        pl.BlockSpec((tp, k), maps.whole),
-        pl.BlockSpec((pl.squeezed, d, tf), maps.gate),
-        pl.BlockSpec((pl.squeezed, d, tf), maps.up),
-        pl.BlockSpec((pl.squeezed, tf, d), maps.down),
+        pl.BlockSpec((tp, d), whole),
+        pl.BlockSpec((tp, k), whole),
+        pl.BlockSpec((tp, k), whole),
+        HBM_SPEC,
+        HBM_SPEC,
     ]
     y_dtype = jnp.dtype(out_dtype or x_TD.dtype)
     x_item, y_item = jnp.dtype(x_TD.dtype).itemsize, y_dtype.itemsize
@@ -168,14 +255,20 @@ def fused_moe(
         (tp, d),
     )
     y_pD: jax.Array = pl.pallas_call(
-        functools.partial(_kernel, num_slots=s, num_f=nf),
+        functools.partial(_kernel, num_slots=s, f=f, tf=tf),
         out_shape=ShapeDtypeStruct((tp, d), y_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(s, nf),
             in_specs=in_specs,
-            out_specs=pl.BlockSpec((tp, d), maps.whole),
-            scratch_shapes=[pltpu.VMEM((tp, d), jnp.float32)],
+            out_specs=pl.BlockSpec((tp, d), whole),
+            scratch_shapes=[
+                pltpu.VMEM((tp, d), jnp.float32),
+                pltpu.VMEM((2, d, tf), w_gate_up.dtype),
+                pltpu.VMEM((2, d, tf), w_gate_up.dtype),
+                pltpu.VMEM((2, tf, d), w_down.dtype),
+                pltpu.SemaphoreType.DMA((2, 3)),
+            ],
         ),
         compiler_params=tiling_lib.compiler_params(
             "fused_moe", DIMENSIONS, (tp, d, tf), needed, chip
@@ -183,7 +276,7 @@ def fused_moe(
         interpret=interpret,
         cost_estimate=cost,
         name="moetext_fused_moe",
-    )(slots_S, n_S, x_pD, ids_pK, w_pK, w_gate_up, w_gate_up, w_down)
+    )(slots_S, n_S, x_pD, ids_pK, w_pK, in_hbm(w_gate_up), in_hbm(w_down))
     return y_pD[:t]
 
 
@@ -193,15 +286,25 @@ def _kernel(
     x_ref: Ref,
     ids_ref: Ref,
     w_ref: Ref,
-    gate_ref: Ref,
-    up_ref: Ref,
-    down_ref: Ref,
+    w_gate_up: Ref,
+    w_down: Ref,
     y_ref: Ref,
     acc_ref: Ref,
+    gate_buf: Ref,
+    up_buf: Ref,
+    down_buf: Ref,
+    sems: Ref,
     *,
     num_slots: int,
-    num_f: int,
+    f: int,
+    tf: int,
 ) -> None:
+    gate, up = gate_up_windows(w_gate_up, f, tf)
+    windows = [(gate, gate_buf), (up, up_buf), (down_window(w_down, tf), down_buf)]
+    buf = WeightStream(slots_ref, n_ref, f // tf, windows, sems).advance(
+        pl.program_id(0), pl.program_id(1)
+    )
+
     def contribution(si: jax.Array) -> jax.Array:
         x = x_ref[...]
         e = slots_ref[si]
@@ -210,12 +313,12 @@ def _kernel(
             axis=1,
             keepdims=True,
         )
-        g = matmul_f32(x, gate_ref[...])
-        u = matmul_f32(x, up_ref[...])
+        g = matmul_f32(x, gate_buf[buf])
+        u = matmul_f32(x, up_buf[buf])
         h = (c_T1 * (jax.nn.silu(g) * u)).astype(x.dtype)
-        return matmul_f32(h, down_ref[...])
+        return matmul_f32(h, down_buf[buf])
 
-    accumulate_slots(n_ref, acc_ref, y_ref, contribution, num_slots=num_slots, num_f=num_f)
+    accumulate_slots(n_ref, acc_ref, y_ref, contribution, num_slots=num_slots, num_f=f // tf)
 
 
 def matmul_f32(a: jax.Array, b: jax.Array) -> jax.Array:

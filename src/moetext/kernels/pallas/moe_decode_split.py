@@ -24,11 +24,17 @@ from moetext.kernels.pallas import tiling as tiling_lib
 from moetext.kernels.pallas.common import Interpret, Ref, resolve_interpret, round_up
 from moetext.kernels.pallas.moe_decode import (
     DIMENSIONS,
-    SlotMaps,
+    HBM_SPEC,
+    WeightStream,
     accumulate_slots,
     active_slots,
     default_block_f,
+    down_window,
+    gate_up_windows,
+    in_hbm,
     matmul_f32,
+    slot_block,
+    whole,
 )
 from moetext.kernels.typed_jax import ShapeDtypeStruct
 
@@ -57,8 +63,6 @@ def fused_gate_up(
     tp = round_up(t, tiling_lib.sublanes(x_TD.dtype))
     x_pD = jnp.pad(x_TD, ((0, tp - t), (0, 0)))
 
-    maps = SlotMaps(nf)
-
     def out_map(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
         return s_, jnp.int32(0), j
 
@@ -70,19 +74,20 @@ def fused_gate_up(
         (8, tiling_lib.LANES),
     )
     g, u = pl.pallas_call(
-        _gate_up_kernel,
+        functools.partial(_gate_up_kernel, f=f, tf=tf),
         out_shape=(out, out),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(s, nf),
-            in_specs=[
-                pl.BlockSpec((tp, d), maps.whole),
-                pl.BlockSpec((pl.squeezed, d, tf), maps.gate),
-                pl.BlockSpec((pl.squeezed, d, tf), maps.up),
-            ],
+            in_specs=[pl.BlockSpec((tp, d), whole), HBM_SPEC],
             out_specs=[
                 pl.BlockSpec((pl.squeezed, tp, tf), out_map),
                 pl.BlockSpec((pl.squeezed, tp, tf), out_map),
+            ],
+            scratch_shapes=[
+                pltpu.VMEM((2, d, tf), w_gate_up.dtype),
+                pltpu.VMEM((2, d, tf), w_gate_up.dtype),
+                pltpu.SemaphoreType.DMA((2, 2)),
             ],
         ),
         compiler_params=tiling_lib.compiler_params(
@@ -97,20 +102,34 @@ def fused_gate_up(
             + 2 * s * tp * f * 4,
         ),
         name="moetext_fused_gate_up",
-    )(slots_S, n_S, x_pD, w_gate_up, w_gate_up)
+    )(slots_S, n_S, x_pD, in_hbm(w_gate_up))
     return g[:, :t], u[:, :t]
 
 
 def _gate_up_kernel(
-    slots_ref: Ref, n_ref: Ref, x_ref: Ref, gate_ref: Ref, up_ref: Ref, g_ref: Ref, u_ref: Ref
+    slots_ref: Ref,
+    n_ref: Ref,
+    x_ref: Ref,
+    w_gate_up: Ref,
+    g_ref: Ref,
+    u_ref: Ref,
+    gate_buf: Ref,
+    up_buf: Ref,
+    sems: Ref,
+    *,
+    f: int,
+    tf: int,
 ) -> None:
-    si = pl.program_id(0)
+    si, j = pl.program_id(0), pl.program_id(1)
+    gate, up = gate_up_windows(w_gate_up, f, tf)
+    stream = WeightStream(slots_ref, n_ref, f // tf, [(gate, gate_buf), (up, up_buf)], sems)
+    buf = stream.advance(si, j)
     active = si < n_ref[0]
 
     @pl.when(active)
     def _() -> None:
-        g_ref[...] = matmul_f32(x_ref[...], gate_ref[...])
-        u_ref[...] = matmul_f32(x_ref[...], up_ref[...])
+        g_ref[...] = matmul_f32(x_ref[...], gate_buf[buf])
+        u_ref[...] = matmul_f32(x_ref[...], up_buf[buf])
 
     @pl.when(jnp.logical_not(active))
     def _() -> None:
@@ -151,27 +170,26 @@ def fused_down(
     tp = round_up(t, tiling_lib.sublanes(h_STF.dtype))
     h_SpF = jnp.pad(h_STF, ((0, 0), (0, tp - t), (0, 0)))
 
-    maps = SlotMaps(nf)
-
     def h_map(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
-        return s_, jnp.int32(0), maps.block(j, s_, n_ref)
+        return s_, jnp.int32(0), slot_block(j, s_, n_ref, nf)
 
     y_dtype = jnp.dtype(out_dtype)
     needed = tiling_lib.vmem_bytes(
         [(tp, tf, h_STF.dtype), (tf, d, w_down.dtype)], (tp, d, y_dtype), (tp, d)
     )
     y: jax.Array = pl.pallas_call(
-        functools.partial(_down_kernel, num_slots=s, num_f=nf),
+        functools.partial(_down_kernel, num_slots=s, tf=tf),
         out_shape=ShapeDtypeStruct((tp, d), y_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(s, nf),
-            in_specs=[
-                pl.BlockSpec((pl.squeezed, tp, tf), h_map),
-                pl.BlockSpec((pl.squeezed, tf, d), maps.down),
+            in_specs=[pl.BlockSpec((pl.squeezed, tp, tf), h_map), HBM_SPEC],
+            out_specs=pl.BlockSpec((tp, d), whole),
+            scratch_shapes=[
+                pltpu.VMEM((tp, d), jnp.float32),
+                pltpu.VMEM((2, tf, d), w_down.dtype),
+                pltpu.SemaphoreType.DMA((2, 1)),
             ],
-            out_specs=pl.BlockSpec((tp, d), maps.whole),
-            scratch_shapes=[pltpu.VMEM((tp, d), jnp.float32)],
         ),
         compiler_params=tiling_lib.compiler_params(
             "fused_down", DIMENSIONS, (tp, d, tf), needed, chip
@@ -185,7 +203,7 @@ def fused_down(
             + tp * d * y_dtype.itemsize,
         ),
         name="moetext_fused_down",
-    )(slots_S, n_S, h_SpF, w_down)
+    )(slots_S, n_S, h_SpF, in_hbm(w_down))
     return y[:t]
 
 
@@ -193,18 +211,23 @@ def _down_kernel(
     slots_ref: Ref,
     n_ref: Ref,
     h_ref: Ref,
-    down_ref: Ref,
+    w_down: Ref,
     y_ref: Ref,
     acc_ref: Ref,
+    down_buf: Ref,
+    sems: Ref,
     *,
     num_slots: int,
-    num_f: int,
+    tf: int,
 ) -> None:
+    num_f = w_down.shape[1] // tf
+    stream = WeightStream(slots_ref, n_ref, num_f, [(down_window(w_down, tf), down_buf)], sems)
+    buf = stream.advance(pl.program_id(0), pl.program_id(1))
     accumulate_slots(
         n_ref,
         acc_ref,
         y_ref,
-        lambda _: matmul_f32(h_ref[...], down_ref[...]),
+        lambda _: matmul_f32(h_ref[...], down_buf[buf]),
         num_slots=num_slots,
         num_f=num_f,
     )
@@ -242,12 +265,15 @@ def split_reference(
     w_gate_up: jax.Array,
     w_down: jax.Array,
     *,
+    block_f: int | None = None,
     interpret: Interpret | None = None,
 ) -> jax.Array:
     """fused_gate_up -> SwiGLU x slot weights -> fused_down on one device (no shards: the psum
     is the identity); what a D shard computes, for tests."""
     slots_S, n_S = active_slots(ids_TK, w_gate_up.shape[0])
-    g, u = fused_gate_up(x_TD, slots_S, n_S, w_gate_up, interpret=interpret)
+    g, u = fused_gate_up(x_TD, slots_S, n_S, w_gate_up, block_f=block_f, interpret=interpret)
     c_ST = slot_weights(ids_TK, w_TK, slots_S, n_S)
     h = (c_ST[..., None] * jax.nn.silu(g) * u).astype(x_TD.dtype)
-    return fused_down(h, slots_S, n_S, w_down, out_dtype=x_TD.dtype, interpret=interpret)
+    return fused_down(
+        h, slots_S, n_S, w_down, block_f=block_f, out_dtype=x_TD.dtype, interpret=interpret
+    )
