@@ -13,6 +13,7 @@ import math
 import re
 from collections import defaultdict
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import numpy as np
 
@@ -50,17 +51,6 @@ _OP_RE = re.compile(
     r"(?P<op>" + "|".join(COLLECTIVES) + r")(?:-start)?\("
 )
 ARRAY_RE = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
-# An instruction's name and result shape (an array, or a tuple of arrays).
-_DEF_RE = re.compile(
-    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*"
-    r"(?P<shape>\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s"
-)
-# A ragged all-to-all's first two operands (the rows to send, the receive buffer), each with
-# its shape when the text prints operand shapes (XLA's dumps) or as a bare name (as_text()).
-_RAGGED_ARGS_RE = re.compile(
-    r"ragged-all-to-all(?:-start)?\(\s*(?P<a>(?:[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?\s+)?%?[\w.\-]+)"
-    r"\s*,\s*(?P<b>(?:[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?\s+)?%?[\w.\-]+)"
-)
 _COMP_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
 _CALL_RE = re.compile(
     r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)"
@@ -92,58 +82,143 @@ _SENT_PER_RESULT_BYTE = {
 }
 
 
-def _ragged_bytes(
-    line: str, shapes: Mapping[str, str], nbytes: float, dtypes: list[str]
-) -> tuple[float, list[str], float]:
-    """(receive-buffer bytes, its element types, bytes of the rows it sends at most) of a ragged
-    all-to-all line; the operand shapes are read from the line or, by name, from `shapes`.
-    A shard sends at most its first operand (the rows to send) and, summed over a balanced
-    step, about what its buffer receives: the smaller of the two (the way back sends from a
-    receive buffer of up to P times the rows it returns). Falls back to the result's bytes for
-    both when an operand cannot be resolved."""
-    m = _RAGGED_ARGS_RE.search(line)
+# --- instructions -----------------------------------------------------------------------------
 
-    def resolve(arg: str) -> str | None:
-        if "[" in arg:
-            return arg
-        return shapes.get(arg.lstrip("%"))
-
-    send, recv = (resolve(m.group("a")), resolve(m.group("b"))) if m else (None, None)
-    if send is None or recv is None:
-        return nbytes, dtypes, nbytes
-    recv_bytes, recv_dtypes = array_bytes(recv)
-    return recv_bytes, recv_dtypes, min(array_bytes(send)[0], recv_bytes)
+_INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+_ARRAY_SHAPE_RE = re.compile(r"[a-z][a-z0-9]*\[[0-9,]*\](?:\{[^}]*\})?")
+_OP_AFTER_SHAPE_RE = re.compile(r"\s*([a-z][\w\-]*)\(")
 
 
-def _module_defs(lines: list[str]) -> list[dict[str, str]]:
-    """Per module of the text, instruction name -> result shape, for every defining line."""
+class Instr(NamedTuple):
+    """One instruction line: `name = shape op(rest`."""
+
+    name: str
+    shape: str  # the result shape with its layout; a tuple's in parentheses
+    op: str
+    rest: str  # what follows "op(": the operands, ")", then the attributes
+
+
+def parse_instr(line: str) -> Instr | None:
+    """The instruction a line defines, or None (a computation header, a brace, a comment)."""
+    m = _INSTR_RE.match(line)
+    if m is None:
+        return None
+    shape, after = split_shape(line[m.end() :])
+    op = _OP_AFTER_SHAPE_RE.match(after) if shape else None
+    if op is None:
+        return None
+    return Instr(m.group(1), shape, op.group(1), after[op.end() :])
+
+
+def split_shape(rest: str) -> tuple[str, str]:
+    """(the result shape text, what follows it) of an instruction's right-hand side."""
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                return rest[: i + 1], rest[i + 1 :]
+    m = _ARRAY_SHAPE_RE.match(rest)
+    if not m:
+        return "", rest
+    return m.group(0), rest[m.end() :]
+
+
+_OPERAND_RE = re.compile(
+    r"(?:(?P<shape>[a-z][a-z0-9]*\[[0-9,]*\](?:\{[^}]*\})?)\s+)?%(?P<name>[\w.\-]+)(?:#(?P<i>\d+))?"
+)
+
+
+def _operand_matches(rest: str) -> list[re.Match[str]]:
+    """The operands inside an instruction's parentheses (`Instr.rest`), each a %name, with its
+    shape printed before it in XLA's dumps, and `#i` for element i of a tuple-shaped value."""
+    depth, end = 1, len(rest)
+    for i, ch in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            end = i
+            break
+    return list(_OPERAND_RE.finditer(rest[:end]))
+
+
+def operands(rest: str) -> list[str]:
+    """Operand names of an instruction (`Instr.rest`), `name#i` for a tuple's element i."""
+    return [f"{m['name']}#{m['i']}" if m["i"] else m["name"] for m in _operand_matches(rest)]
+
+
+def operand_shapes(rest: str, shapes: Mapping[str, str]) -> list[str]:
+    """Operand shapes of an instruction: as printed before them, else by name from `shapes`
+    (its module's definitions; "" when unknown)."""
+    return [
+        m["shape"] or shape_of(shapes, f"{m['name']}#{m['i']}" if m["i"] else m["name"])
+        for m in _operand_matches(rest)
+    ]
+
+
+def tuple_elements(shape: str) -> list[str]:
+    """The top-level element shapes of a tuple shape text."""
+    inner, parts, depth, start = shape[1:-1], [], 0, 0
+    for i, ch in enumerate(inner):
+        depth += {"(": 1, ")": -1, "{": 1, "}": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append(inner[start:i])
+            start = i + 1
+    parts.append(inner[start:])
+    return [re.sub(r"/\*.*?\*/", "", p).strip() for p in parts]
+
+
+def shape_of(shapes: Mapping[str, str], operand: str) -> str:
+    """An operand's shape text ("" when unknown), `name#i` being element i of a tuple."""
+    name, _, index = operand.partition("#")
+    shape = shapes.get(name, "")
+    if index and shape.startswith("("):
+        elements = tuple_elements(shape)
+        return elements[int(index)] if int(index) < len(elements) else ""
+    return shape
+
+
+def module_defs(lines: list[str]) -> list[dict[str, str]]:
+    """Per module of the text (a step's text may join several), instruction name -> result
+    shape: names are unique within a module, not across modules."""
     out: list[dict[str, str]] = []
     for line in lines:
         if line.startswith("HloModule") or not out:
             out.append({})
-        d = _DEF_RE.match(line)
-        if d:
-            out[-1][d["name"]] = d["shape"]
+        ins = parse_instr(line)
+        if ins is not None:
+            out[-1][ins.name] = ins.shape
     return out
 
 
-_CUSTOM_CALL_ARGS_RE = re.compile(r"custom-call\(([^)]*)\)")
+def _ragged_bytes(
+    line: str, shapes: Mapping[str, str], nbytes: float, dtypes: list[str]
+) -> tuple[float, list[str], float]:
+    """(receive-buffer bytes, its element types, bytes of the rows it sends at most) of a ragged
+    all-to-all line, its first two operands (the rows to send, the receive buffer) resolved by
+    name in `shapes` (its module's). A shard sends at most its first operand and, summed over a
+    balanced step, about what its buffer receives: the smaller of the two (the way back sends
+    from a receive buffer of up to P times the rows it returns). Falls back to the result's
+    bytes for both when an operand cannot be resolved."""
+    ins = parse_instr(line)
+    args = operand_shapes(ins.rest, shapes) if ins else []
+    send, recv = args[:2] if len(args) > 1 else ("", "")
+    if not send or not recv:
+        return nbytes, dtypes, nbytes
+    recv_bytes, recv_dtypes = array_bytes(recv)
+    return recv_bytes, recv_dtypes, min(array_bytes(send)[0], recv_bytes)
 
 
 def custom_call_operands(text: str, name: str) -> dict[str, list[str]]:
     """For each custom call whose line contains `name` (a Pallas kernel's name), its operands'
     result shapes with their layouts, in order: `S(1)` in a layout is VMEM, none is HBM."""
     lines = text.splitlines()
-    defs, out, module = _module_defs(lines), {}, -1
+    defs, out, module = module_defs(lines), {}, -1
     for line in lines:
         if line.startswith("HloModule") or module < 0:
             module += 1
-        if name not in line or "custom-call(" not in line:
+        if name not in line or (ins := parse_instr(line)) is None or ins.op != "custom-call":
             continue
-        d, args = _DEF_RE.match(line), _CUSTOM_CALL_ARGS_RE.search(line)
-        if d and args:
-            names = re.findall(r"%([\w.\-]+)", args[1])
-            out[d["name"]] = [defs[module].get(n, "?") for n in names]
+        out[ins.name] = [sh or "?" for sh in operand_shapes(ins.rest, defs[module])]
     return out
 
 
@@ -331,7 +406,7 @@ def collectives(
     # Per module, instruction name -> result shape, built on demand: names are unique within a
     # module, and a step's text may hold several (aot.hlo_text joins its programs).
     defs: list[dict[str, str]] | None = None
-    module = -1  # index into _module_defs: one per HloModule line (text without one: module 0)
+    module = -1  # index into module_defs: one per HloModule line (text without one: module 0)
     for line, comp in zip(lines, comp_of_line, strict=True):
         if line.startswith("HloModule") or module < 0:
             module += 1
@@ -343,7 +418,7 @@ def collectives(
         sent_base = nbytes
         if op == "ragged-all-to-all":
             if defs is None:
-                defs = _module_defs(lines)
+                defs = module_defs(lines)
             # Bytes: the receive buffer (its result, however the op's tuple prints); sent: the
             # rows it sends (_ragged_bytes).
             nbytes, dtypes, sent_base = _ragged_bytes(line, defs[module], nbytes, dtypes)

@@ -20,8 +20,6 @@ import re
 
 from moetext import hlo
 
-_INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
-_OP_AFTER_SHAPE_RE = re.compile(r"\s*([a-z][\w\-]*)\(")
 _FUSION_CALLS_RE = re.compile(r"\bcalls=%?([\w.\-]+)")
 _TO_APPLY_RE = re.compile(r"\bto_apply=%?([\w.\-]+)")
 _CONTRACT_RE = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
@@ -61,55 +59,6 @@ _NO_BYTES = frozenset(
         "recv-done",
     }
 )
-
-
-def _split_shape(rest: str) -> tuple[str, str]:
-    """(the result shape text, what follows it) of an instruction's right-hand side."""
-    if rest.startswith("("):
-        depth = 0
-        for i, ch in enumerate(rest):
-            depth += {"(": 1, ")": -1}.get(ch, 0)
-            if depth == 0:
-                return rest[: i + 1], rest[i + 1 :]
-    m = re.match(r"[a-z][a-z0-9]*\[[0-9,]*\](?:\{[^}]*\})?", rest)
-    if not m:
-        return "", rest
-    return m.group(0), rest[m.end() :]
-
-
-def _operands(after_op: str) -> list[str]:
-    """Operand names of an instruction: the %names inside its first parentheses."""
-    depth, end = 1, len(after_op)
-    for i, ch in enumerate(after_op):
-        depth += {"(": 1, ")": -1}.get(ch, 0)
-        if depth == 0:
-            end = i
-            break
-    # name#i is element i of a tuple-shaped value (XLA prints get-tuple-element so).
-    return [
-        f"{n}#{i}" if i else n for n, i in re.findall(r"%([\w.\-]+)(?:#(\d+))?", after_op[:end])
-    ]
-
-
-def _tuple_elements(shape: str) -> list[str]:
-    """The top-level element shapes of a tuple shape text."""
-    inner, parts, depth, start = shape[1:-1], [], 0, 0
-    for i, ch in enumerate(inner):
-        depth += {"(": 1, ")": -1, "{": 1, "}": -1}.get(ch, 0)
-        if ch == "," and depth == 0:
-            parts.append(inner[start:i])
-            start = i + 1
-    parts.append(inner[start:])
-    return [re.sub(r"/\*.*?\*/", "", p).strip() for p in parts]
-
-
-def _shape_of(shapes: dict[str, str], operand: str) -> str:
-    name, _, index = operand.partition("#")
-    shape = shapes.get(name, "")
-    if index and shape.startswith("("):
-        elements = _tuple_elements(shape)
-        return elements[int(index)] if int(index) < len(elements) else ""
-    return shape
 
 
 def _dims(shape_text: str) -> list[int]:
@@ -254,18 +203,15 @@ def _parse(
     comps: dict[str, _Comp] = {}
     out: list[_Instr | None] = []
     for line, comp in zip(lines, comp_of_line, strict=True):
-        m = _INSTR_RE.match(line)
-        shape, after = _split_shape(line[m.end() :]) if m else ("", "")
-        op = _OP_AFTER_SHAPE_RE.match(after) if shape else None
-        if m is None or op is None or comp is None:
+        p = hlo.parse_instr(line)
+        if p is None or comp is None:
             out.append(None)
             continue
-        rest = after[op.end() :]
-        ins = _Instr(m.group(1), shape, op.group(1), _operands(rest), line)
+        ins = _Instr(p.name, p.shape, p.op, hlo.operands(p.rest), line)
         c = comps.setdefault(comp, _Comp())
         c.instrs[ins.name] = ins
         if ins.op == "parameter":
-            c.params[int(re.match(r"\s*(\d+)", rest).group(1))] = ins.name  # type: ignore[union-attr]
+            c.params[int(re.match(r"\s*(\d+)", p.rest).group(1))] = ins.name  # type: ignore[union-attr]
         for o in ins.operands:
             c.users.setdefault(o, []).append(ins)
         if line.lstrip().startswith("ROOT"):
@@ -394,7 +340,7 @@ def _module_cost(hlo_text: str) -> HloCost:
         if ins is None:
             continue
         k = times.get(comp, 1) if comp is not None else 1
-        lhs = _shape_of(shapes, ins.operands[0]) if ins.operands else ""
+        lhs = hlo.shape_of(shapes, ins.operands[0]) if ins.operands else ""
         if ins.op == "dot":
             flops += k * _dot_flops(ins.shape, lhs, ins.line)
         elif ins.op == "convolution":
@@ -411,11 +357,11 @@ def _module_cost(hlo_text: str) -> HloCost:
         callee = _FUSION_CALLS_RE.search(ins.line) if ins.op == "fusion" else None
         if callee:
             moved = _written(comps, callee.group(1), ins.shape) + sum(
-                _param_read(comps, callee.group(1), j, hlo.array_bytes(_shape_of(shapes, o))[0])
+                _param_read(comps, callee.group(1), j, hlo.array_bytes(hlo.shape_of(shapes, o))[0])
                 for j, o in enumerate(ins.operands)
             )
         elif ins.op == "copy-start" and ins.operands:  # reads its operand, writes one copy
-            moved = 2 * hlo.array_bytes(_shape_of(shapes, ins.operands[0]))[0]
+            moved = 2 * hlo.array_bytes(hlo.shape_of(shapes, ins.operands[0]))[0]
         elif ins.op in ("dynamic-slice", "slice"):  # reads the slice, writes it
             moved = 2 * hlo.array_bytes(ins.shape)[0]
         elif (ins.op == "call-start" and (applied := _TO_APPLY_RE.search(ins.line))) or (
@@ -426,13 +372,13 @@ def _module_cost(hlo_text: str) -> HloCost:
         elif ins.op == "slice-start" and ins.shape.startswith("("):
             # Async slice ((operand), slice, context): reads and writes the slice only (XLA:TPU
             # prefetches a weight into VMEM in such chunks), not the whole operand per chunk.
-            elements = _tuple_elements(ins.shape)
+            elements = hlo.tuple_elements(ins.shape)
             moved = 2 * hlo.array_bytes(elements[1] if len(elements) > 1 else "")[0]
         elif ins.op == "dynamic-update-slice" and len(ins.operands) > 1:  # in place
-            moved = 2 * hlo.array_bytes(_shape_of(shapes, ins.operands[1]))[0]
+            moved = 2 * hlo.array_bytes(hlo.shape_of(shapes, ins.operands[1]))[0]
         else:
             moved = hlo.array_bytes(ins.shape)[0] + sum(
-                hlo.array_bytes(_shape_of(shapes, o))[0] for o in ins.operands
+                hlo.array_bytes(hlo.shape_of(shapes, o))[0] for o in ins.operands
             )
             if ins.op == "custom-call" and (ce := _CE_BYTES_RE.search(ins.line)):
                 # A Pallas call whose estimate reads less than its whole operands (the fused
