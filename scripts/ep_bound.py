@@ -5,12 +5,12 @@
 
 Reads every step_<n>.npz a run wrote with `train.routing_trace=[start,stop]` (key layer_<i>:
 int32 [B, S, K] global expert ids of the step's batch) and prints, per layer and over all
-layers, the fraction of assignments each bound would drop (`ep.bound_drops`: the same counts
-and bound as the training step's exchange), and the smallest bound that drops nothing in any
-traced step. --token_shards is the number of devices the batch is split over (data x fsdp x
-expert under fsdp_ep), --expert_shards the expert axis. One micro-batch per step is assumed
-(train.grad_accum_steps=1): with N micro-batches pass --micro_batches N, and each is dispatched
-on its own as the step does (rows i, N + i, ... of the batch).
+layers, the fraction of assignments each bound would drop (`ep_exchange.bound_drops`: the
+same counts and bound as the training step's exchange), and the smallest bound that drops
+nothing in any traced step. --token_shards is the number of devices the batch is split over
+(data x fsdp x expert under fsdp_ep), --expert_shards the expert axis. One micro-batch per
+step is assumed (train.grad_accum_steps=1): with N micro-batches pass --micro_batches N, and
+each is dispatched on its own as the step does (rows i, N + i, ... of the batch).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moetext.models.moe import ep
+from moetext.models.moe import ep_exchange
 
 
 def min_bound(ids_TK: np.ndarray, num_experts: int, expert_shards: int, token_shards: int) -> float:
@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
                     ids_TK = ids.reshape(-1, ids.shape[-1])
                     try:  # bound_drops checks that the shards split the tokens
                         for b in bounds:
-                            d, n = ep.bound_drops(
+                            d, n = ep_exchange.bound_drops(
                                 ids_TK, a.num_experts, a.expert_shards, a.token_shards, b
                             )
                             acc = dropped.setdefault((layer, b), [0, 0])

@@ -38,7 +38,7 @@ from jax.sharding import Mesh
 from moetext import config, program
 from moetext import data as data_lib
 from moetext.config.schema import KernelsConfig, MoEConfig
-from moetext.models.moe import MoEBlock, ep, gmm_from_config
+from moetext.models.moe import MoEBlock, ep, ep_exchange, gmm_from_config
 from moetext.models.moe import decode as moe_decode
 from moetext.models.moe.experts import Experts
 from moetext.program.step import make_loss_fn
@@ -292,13 +292,13 @@ def emulated_ragged_exchange(calls: list[str]) -> Iterator[None]:
         return output.at[dst.reshape(-1)].set(rows.reshape(-1, rows.shape[-1]), mode="drop")
 
     saved: tuple[Callable[..., jax.Array], Callable[[Mesh], str]]
-    saved = (ep.ragged_all_to_all, ep.exchange_for)
-    ep.ragged_all_to_all = ragged_all_to_all
+    saved = (ep_exchange.ragged_all_to_all, ep.exchange_for)
+    ep_exchange.ragged_all_to_all = ragged_all_to_all
     ep.exchange_for = lambda mesh: "ragged"
     try:
         yield
     finally:
-        ep.ragged_all_to_all, ep.exchange_for = saved
+        ep_exchange.ragged_all_to_all, ep.exchange_for = saved
 
 
 def check_ragged_exchange(block: Block, ref: Named) -> dict[str, Any]:
@@ -381,7 +381,7 @@ def check_bounded_exchange() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for routing, ids in (("skewed", skewed), ("balanced", balanced)):
         for factor in (0.5, 1.0):
-            r = ep.recv_rows(t // shards * k, shards, factor)
+            r = ep_exchange.recv_rows(t // shards * k, shards, factor)
             keep = kept_assignments(ids, shards, e // shards, r)
             ref_y, ref_g = reference(ids, keep)
             for exchange in ("padded", "ragged"):

@@ -1,5 +1,6 @@
-"""What an EP receive bound drops, offline (`ep.bound_drops`, scripts/ep_bound.py): against a
-per-row re-derivation of the policy, and against what a training run under the bound reported.
+"""What an EP receive bound drops, offline (`ep_exchange.bound_drops`, scripts/ep_bound.py):
+against a per-row re-derivation of the policy, and against what a training run under the bound
+reported.
 """
 
 import json
@@ -9,34 +10,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ep_worker import kept_assignments
 
 from fake_devices import worker_env
-from moetext.models.moe import ep
+from moetext.models.moe import ep_exchange
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts/ep_bound.py"
 
 
 def dropped_per_row(ids_TK, num_experts, expert_shards, token_shards, factor):
-    """The policy row by row: each group of expert_shards consecutive token shards; sources in
-    order, each source's rows sorted by expert (stable), a row kept while its destination shard
-    has taken fewer than R rows."""
+    """The policy row by row (`ep_worker.kept_assignments`) in each EP group of expert_shards
+    consecutive token shards."""
     t, k = ids_TK.shape
-    m = t // token_shards * k
-    r = ep.recv_rows(m, expert_shards, factor)
-    rows = ids_TK.reshape(token_shards, m)
-    dropped = 0
-    for g in range(token_shards // expert_shards):
-        taken = np.zeros(expert_shards, int)
-        for i in range(expert_shards):
-            flat = rows[g * expert_shards + i]
-            for e in flat[np.argsort(flat, kind="stable")]:
-                dest = e // (num_experts // expert_shards)
-                if taken[dest] < r:
-                    taken[dest] += 1
-                else:
-                    dropped += 1
-    return dropped
+    r = ep_exchange.recv_rows(t // token_shards * k, expert_shards, factor)
+    groups = ids_TK.reshape(token_shards // expert_shards, -1, k)
+    n_local = num_experts // expert_shards
+    return sum(int((~kept_assignments(g, expert_shards, n_local, r)).sum()) for g in groups)
 
 
 @pytest.mark.parametrize("factor", [0.5, 1.0, 1.25, 0.0])
@@ -45,7 +35,7 @@ def test_bound_drops_matches_the_row_by_row_policy(factor, experts, p, shards):
     rng = np.random.default_rng(experts * p + shards)
     skew = rng.dirichlet(np.full(experts, 0.5))
     ids = np.stack([rng.choice(experts, 2, replace=False, p=skew) for _ in range(64)])
-    dropped, total = ep.bound_drops(ids, experts, p, shards, factor)
+    dropped, total = ep_exchange.bound_drops(ids, experts, p, shards, factor)
     assert total == ids.size
     assert dropped == dropped_per_row(ids, experts, p, shards, factor)
     if factor == 0.0:
@@ -54,7 +44,7 @@ def test_bound_drops_matches_the_row_by_row_policy(factor, experts, p, shards):
 
 def test_bound_drops_names_what_does_not_split():
     with pytest.raises(ValueError, match=r"6 experts, 8 token shards and 64 tokens.*4 expert"):
-        ep.bound_drops(np.zeros((64, 2), np.int32), 6, 4, 8, 1.0)
+        ep_exchange.bound_drops(np.zeros((64, 2), np.int32), 6, 4, 8, 1.0)
 
 
 def test_script_reproduces_what_the_run_reported(tmp_path):
