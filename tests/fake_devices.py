@@ -64,13 +64,15 @@ def running(cmd: Sequence[str], **popen: Any) -> Iterator[subprocess.Popen[str]]
 @contextmanager
 def split_like_a_3d_slice() -> Iterator[None]:
     """In a worker: moetext.sharding.torus.split_for_collectives splits every mesh axis of 8
-    devices into 2 x 4, as it does a weight-gather axis spanning three dims of a TPU torus (fake
-    CPU devices have no torus)."""
+    devices into 2 x 4, as it does a weight-gather axis spanning three dims of a TPU torus, and
+    a group over several mesh axes needs per-axis collectives (`needs_split_jointly`), as
+    fsdp x expert does over a whole 3D slice (fake CPU devices have no torus)."""
     from moetext.sharding import torus
 
-    real = torus._inner_size
+    real = torus._inner_size, torus.needs_split_jointly
     torus._inner_size = lambda lines, slice_size: 4 if len(lines[0]) == 8 else None
+    torus.needs_split_jointly = lambda mesh, axes: sum(mesh.shape[a] > 1 for a in axes) > 1
     try:
         yield
     finally:
-        torus._inner_size = real
+        torus._inner_size, torus.needs_split_jointly = real

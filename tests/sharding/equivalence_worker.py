@@ -56,9 +56,12 @@ TILED = {"fsdp_tiled": "fsdp", "fsdp_tp_tiled": "fsdp_tp"}
 # sharding.split_dense_gathers on. The experts' gathers and the dense layers' matmuls
 # (sharding/fsdp.py) then run per sub-axis in their shard_maps.
 # fsdp_tp at its shipped tensor = 1 takes the same path (its weights name the size-1 axis).
+# fsdp_ep's dense weights, split over fsdp x expert (2 x 4), are gathered one axis at a time
+# on the unsplit mesh, as where the pair spans three torus dims and neither axis alone does.
 SPLIT = {
     "fsdp_split": [*SETTINGS["fsdp"], "sharding.split_dense_gathers=true"],
     "fsdp_tp1_split": ["sharding.preset=fsdp_tp", "sharding.split_dense_gathers=true"],
+    "fsdp_ep_split": [*SETTINGS["fsdp_ep"], "sharding.split_dense_gathers=true"],
 }
 SPEC_PATHS = {
     "embed": ("embed",),

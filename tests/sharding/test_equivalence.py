@@ -26,11 +26,21 @@ def test_meshes_are_what_the_settings_ask(results):
 
 @pytest.mark.parametrize(
     "name",
-    ["fsdp", "fsdp_tp", "fsdp_ep", "fsdp_tiled", "fsdp_tp_tiled", "fsdp_split", "fsdp_tp1_split"],
+    [
+        "fsdp",
+        "fsdp_tp",
+        "fsdp_ep",
+        "fsdp_tiled",
+        "fsdp_tp_tiled",
+        "fsdp_split",
+        "fsdp_tp1_split",
+        "fsdp_ep_split",
+    ],
 )
 def test_sharded_step_matches_single_device(results, name):
     # *_tiled: the expert-weight gradients reduce-scattered in 4 tiles (equivalence_worker.TILED).
-    # *_split: the fsdp axis split 2 x 4 as on a 3D TPU slice (equivalence_worker.SPLIT).
+    # *_split: the fsdp axis split 2 x 4 as on a 3D TPU slice, fsdp_ep's fsdp x expert dense
+    # weights gathered per axis (equivalence_worker.SPLIT).
     r = results[name]
     # The tiny config computes in f32; sharding only changes the order of reductions (partial
     # sums per device, then across devices), so results agree to f32 rounding. Measured on
@@ -70,8 +80,9 @@ def test_split_dense_gathers_reduce_scatter_each_dense_gradient_per_sub_axis(res
     # gather them one sub-axis at a time, so each gradient is two reduce-scatters where GSPMD's
     # fsdp step has at most one; the values match one device
     # (test_sharded_step_matches_single_device).
-    plain = results["fsdp"]["collectives"]
-    for name in ("fsdp_split", "fsdp_tp1_split"):
-        split = results[name]["collectives"]
+    # fsdp_ep_split: the same six over fsdp, then expert (2 x 4), against plain fsdp_ep.
+    plain_of = {"fsdp_split": "fsdp", "fsdp_tp1_split": "fsdp", "fsdp_ep_split": "fsdp_ep"}
+    for name, of in plain_of.items():
+        plain, split = results[of]["collectives"], results[name]["collectives"]
         assert split["reduce-scatter"] >= plain["reduce-scatter"] + 2 * 6, (name, split, plain)
         assert split["all-gather"] > plain["all-gather"], (name, split, plain)

@@ -257,20 +257,26 @@ def test_a_split_axis_is_gathered_in_one_collective_where_that_stays_an_all_gath
     assert _joint_gather_ops(topology) == (whole, ops)
 
 
-def _dense_step_ops(topology: str, split_dense: bool) -> set[tuple[str, str]]:
+def _dense_step_ops(
+    topology: str, split_dense: bool, preset_name: str = "fsdp", expert: int = 1
+) -> set[tuple[str, str]]:
     """The (op, result shapes) of the collectives of the compiled forward + backward of two
-    FSDP dense projections and the fused LM-head loss under the fsdp preset's rules, with
-    sharding.split_dense_gathers on or off."""
+    FSDP dense projections and the fused LM-head loss under a preset's rules (fsdp_ep with
+    `expert` expert shards), with sharding.split_dense_gathers on or off."""
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
 
+    from moetext import aot
     from moetext.models.layers.project import project
     from moetext.program.loss import fused_masked_nll
-    from moetext.sharding import fsdp, load_preset, logical
+    from moetext.sharding import fsdp, load_preset, logical, make_mesh
 
-    preset = load_preset("fsdp")
-    mesh = _fsdp_mesh(topology)
+    preset = load_preset(preset_name)
+    preset = dataclasses.replace(preset, mesh={**preset.mesh, "expert": expert})
+    mesh = make_mesh(preset, aot.tpu_devices(topology))
     d, f, v, t = 8192, 4096, 8192, 16 * mesh.size  # a 64 MiB bf16 weight, as above
 
     def loss(x, w, head, targets):
@@ -309,4 +315,19 @@ def test_split_dense_gathers_keeps_the_weight_gathers_all_gathers_on_a_4x4x4_tor
     # [D, C] so that D, the dim scattered, is major (scattered along the minor dim of a [C, D]
     # it ran as an all-reduce of the chunk and a slice).
     assert {("reduce-scatter", "f32[128,4096]"), ("reduce-scatter", "bf16[128,2048]")} <= on
+    assert not [s for op, s in on if op == "all-reduce"], sorted(on)
+
+
+@pytest.mark.tpu_aot
+def test_split_dense_gathers_gathers_fsdp_ep_dense_weights_one_axis_at_a_time():
+    # fsdp_ep splits the dense weights over fsdp x expert (16 x 4 on v5p:4x4x4): each axis
+    # spans at most two torus dims, so neither is split, but together they span all three and
+    # GSPMD all-reduces the weight. split_dense_gathers gathers over expert, then fsdp: all
+    # all-gathers, the gradients reduce-scattered per axis, no all-reduce of a weight.
+    full_w = "bf16[8192,4096]"
+    off = _dense_step_ops("v5p:4x4x4", False, "fsdp_ep", expert=4)
+    assert ("all-reduce", full_w) in off, sorted(off)
+    on = _dense_step_ops("v5p:4x4x4", True, "fsdp_ep", expert=4)
+    assert ("all-gather", full_w) in on, sorted(on)
+    assert ("reduce-scatter", "f32[128,4096]") in on, sorted(on)  # the fsdp (outer) stage
     assert not [s for op, s in on if op == "all-reduce"], sorted(on)

@@ -443,9 +443,10 @@ class ShardingConfig:
     a whole square 2D one, 4x4 and up) their weight gathers and gradient reduce-scatters are
     per-axis all-gathers / reduce-scatters rather than GSPMD's one collective (an all-reduce
     from v5p:4x4x4 up; on v6e:16x16 the LM head's gradient keeps an all-reduce stage of 3 MiB
-    per chunk). The LM head's vocab chunks are then a multiple of 128 rows. Pure FSDP only
-    (tensor / expert axes of size 1); no effect on CPU or other 2D slices. Off: GSPMD decides
-    (docs/sharding.md, "3D TPU slices")."""
+    per chunk). The LM head's vocab chunks are then a multiple of 128 rows. For weights split
+    over the axes that split the tokens: fsdp, fsdp_ep (fsdp x expert, gathered one axis at a
+    time where together they span three torus dims), fsdp_tp with tensor = 1; no effect on CPU
+    or other 2D slices. Off: GSPMD decides (docs/sharding.md, "3D TPU slices")."""
 
 
 @dataclass(frozen=True)

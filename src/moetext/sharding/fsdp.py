@@ -20,10 +20,12 @@ the option).
 
 It applies inside `split_dense_gathers(True)` (config `sharding.split_dense_gathers`, entered
 by `Plan.rules`) when the weight is split over exactly the mesh axes that split the tokens
-(the fsdp preset, and fsdp_tp / fsdp_ep with tensor / expert = 1) and the sequence is not
-split; everywhere else (the default, no rules context, CPU, one-dim and non-square two-dim
-slices, tensor or expert parallelism of size > 1) it is `jnp.einsum(eq, x, w.astype(dtype))`
-and GSPMD decides.
+(the fsdp preset; fsdp_ep, whose non-expert weights are split over fsdp x expert; fsdp_tp
+with tensor = 1) and the sequence is not split. A weight split over several mesh axes that
+each fit two torus dims but together span three (fsdp x expert over a whole v5p slice) is
+gathered one axis at a time on the unsplit mesh. Everywhere else (the default, no rules
+context, CPU, one-dim and non-square two-dim slices, tensor parallelism of size > 1) it is
+`jnp.einsum(eq, x, w.astype(dtype))` and GSPMD decides.
 
 Why it is off by default: which form is faster is not known without a TPU. GSPMD's all-reduce
 runs on six rings at once over a v5p:4x4x4 (the compiler's `collective_algorithm_config`),
@@ -93,7 +95,7 @@ def plan_for(w: jax.Array, names: Sequence[str | None]) -> ShardPlan | None:
     if sorted(w_axes) != sorted(token_axes):
         return None
     split, renames = torus.split_for_collectives(mesh, w_axes)
-    if not renames:
+    if not renames and not torus.needs_split_jointly(mesh, w_axes):
         return None
     # Only axes of size > 1 are gathered (a weight may name size-1 ones, e.g. vocab -> tensor
     # under fsdp_tp with tensor = 1).

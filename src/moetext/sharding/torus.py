@@ -22,11 +22,13 @@ a_inner) in the same device order, so P("a") and P(("a_outer", "a_inner")) place
 the same device.
 
 Only explicit per-axis collectives get split: the experts' (models/moe/ep.py) and, with
-`sharding.split_dense_gathers`, the dense layers' (sharding/fsdp.py). GSPMD's own gathers stay
-one collective over the whole group even on the split mesh, sharded over both axes: it merges
-them. By the compiler's own algorithm choice that may cost no more link time: the all-reduce it
-emits there runs on one ring per link direction (six on v5p:4x4x4, "colors:6" in the HLO)
-where per-axis all-gathers use a 1D emitter (docs/sharding.md, "3D TPU slices").
+`sharding.split_dense_gathers`, the dense layers' (sharding/fsdp.py), which also run one mesh
+axis at a time where a weight split over several axes needs it (`needs_split_jointly`).
+GSPMD's own gathers stay one collective over the whole group even on the split mesh, sharded
+over both axes: it merges them. By the compiler's own algorithm choice that may cost no more
+link time: the all-reduce it emits there runs on one ring per link direction (six on
+v5p:4x4x4, "colors:6" in the HLO) where per-axis all-gathers use a 1D emitter
+(docs/sharding.md, "3D TPU slices").
 """
 
 from __future__ import annotations
@@ -123,6 +125,17 @@ def gathers_whole(mesh: Mesh, axes: Iterable[str]) -> bool:
     names = list(mesh.axis_names)
     ks = [names.index(a) for a in dict.fromkeys(axes)]
     return not ks or not any(_gather_needs_split(g) for g in _lines(mesh.devices, ks))
+
+
+def needs_split_jointly(mesh: Mesh, axes: Iterable[str]) -> bool:
+    """Whether a reduce-scatter over all of `axes` at once (each group of devices that differ
+    only along them) would run as an all-reduce (three torus dims, or a whole square 2D slice),
+    as over fsdp x expert under fsdp_ep on a whole 3D slice, where neither axis alone needs
+    `split_for_collectives`: collectives one axis at a time keep it real."""
+    names, devices = list(mesh.axis_names), mesh.devices
+    slice_size = devices.size // len({getattr(d, "slice_index", 0) for d in devices.flat})
+    ks = [names.index(a) for a in dict.fromkeys(axes) if mesh.shape[a] > 1]
+    return len(ks) > 1 and any(_needs_split(g, slice_size) for g in _lines(devices, ks))
 
 
 def split_for_collectives(mesh: Mesh, axes: Iterable[str]) -> tuple[Mesh, Renames]:
