@@ -156,10 +156,11 @@ def operand_shapes(rest: str, shapes: Mapping[str, str]) -> list[str]:
 
 
 def tuple_elements(shape: str) -> list[str]:
-    """The top-level element shapes of a tuple shape text."""
+    """The top-level element shapes of a tuple shape text (commas inside an element's dims,
+    layout or nested tuple do not split it)."""
     inner, parts, depth, start = shape[1:-1], [], 0, 0
     for i, ch in enumerate(inner):
-        depth += {"(": 1, ")": -1, "{": 1, "}": -1}.get(ch, 0)
+        depth += {"(": 1, ")": -1, "{": 1, "}": -1, "[": 1, "]": -1}.get(ch, 0)
         if ch == "," and depth == 0:
             parts.append(inner[start:i])
             start = i + 1
@@ -208,17 +209,19 @@ def _ragged_bytes(
     return recv_bytes, recv_dtypes, min(array_bytes(send)[0], recv_bytes)
 
 
-def custom_call_operands(text: str, name: str) -> dict[str, list[str]]:
-    """For each custom call whose line contains `name` (a Pallas kernel's name), its operands'
+def custom_call_operands(text: str, name: str) -> dict[tuple[int, str], list[str]]:
+    """For each custom call whose line contains `name` (a Pallas kernel's name), keyed by
+    (module index, instruction name) (a step's text may join several modules), its operands'
     result shapes with their layouts, in order: `S(1)` in a layout is VMEM, none is HBM."""
     lines = text.splitlines()
-    defs, out, module = module_defs(lines), {}, -1
+    defs, module = module_defs(lines), -1
+    out: dict[tuple[int, str], list[str]] = {}
     for line in lines:
         if line.startswith("HloModule") or module < 0:
             module += 1
         if name not in line or (ins := parse_instr(line)) is None or ins.op != "custom-call":
             continue
-        out[ins.name] = [sh or "?" for sh in operand_shapes(ins.rest, defs[module])]
+        out[(module, ins.name)] = [sh or "?" for sh in operand_shapes(ins.rest, defs[module])]
     return out
 
 

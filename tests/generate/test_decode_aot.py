@@ -94,7 +94,7 @@ def test_auto_decodes_through_the_fused_kernel_where_it_can(overrides, fused):
     # (the inactive experts' too) while the weights were BlockSpec'd operands.
     kernels = hlo.custom_call_operands(text, "moetext_fused_")
     assert len(kernels) == (4 if "sharding.preset=fsdp" in overrides else 2) * fused
-    for name, shapes in kernels.items():
+    for (_, name), shapes in kernels.items():
         weights = shapes[-2:] if name.startswith("moetext_fused_moe") else shapes[-1:]
         assert all(hlo.ARRAY_RE.match(sh)[2].count(",") == 2 for sh in weights), shapes
         assert all("S(1)" not in sh for sh in weights), (name, shapes)

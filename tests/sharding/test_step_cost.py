@@ -300,3 +300,23 @@ def test_a_loop_condition_other_than_counter_below_bound_counts_once():
     # A count-down loop (i > 0) or any other condition is not read as a trip count.
     text = WINDOWED_HLO.replace("direction=LT", "direction=GT")
     assert hlo_cost.hlo_cost(text).flops == 2 * 8 * 16 * 32
+
+
+def test_async_slice_counts_its_slice():
+    # XLA:TPU streams a weight into VMEM as async slices: ((operand), slice, context). The walk
+    # counts the slice read and written (2 x 128 x 2048 bf16), not the whole operand; the
+    # tuple splits only at its top-level commas (a 2-D element once counted nothing).
+    text = """HloModule m
+
+ENTRY %main (p: bf16[1024,2048]) -> bf16[128,2048] {
+  %p = bf16[1024,2048]{1,0} parameter(0)
+  %s = ((bf16[1024,2048]{1,0}), bf16[128,2048]{1,0}, u32[]) slice-start(%p), slice={[0:128]}
+  ROOT %d = bf16[128,2048]{1,0} slice-done(%s)
+}
+"""
+    assert hlo.tuple_elements("((bf16[1024,2048]{1,0}), bf16[128,2048]{1,0}, u32[])") == [
+        "(bf16[1024,2048]{1,0})",
+        "bf16[128,2048]{1,0}",
+        "u32[]",
+    ]
+    assert hlo_cost.hlo_cost(text).hbm_bytes == 2 * 128 * 2048 * 2
