@@ -129,6 +129,32 @@ def test_d_split_kernels_under_the_tpu_faithful_interpreter():
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 * np.abs(want).max(), rtol=0)
 
 
+@pytest.mark.parametrize(
+    ("t", "k", "ids", "tf"),
+    [
+        (4, 2, [[0, 3], [3, 5], [5, 0], [0, 0]], 256),  # 3 of 8 experts active, one F block
+        (4, 2, [[0, 3], [3, 5], [5, 0], [0, 0]], 128),  # the same, two F blocks per slot
+        (2, 2, [[9, -1], [8, 12]], 128),  # no expert active: nothing copied, y = 0
+        (1, 1, [[6]], 256),  # S = 1, J = 1
+    ],
+)
+def test_inactive_slots_under_the_tpu_faithful_interpreter(t, k, ids, tf):
+    # Slots past the active count, no active slot at all, and one-slot one-block grids, with
+    # DMAs that land only when waited on and race detection: the single kernel and the D-split
+    # pair against the float64 oracle (float32, 1e-5 of the largest output).
+    ids = np.asarray(ids, np.int32)
+    x, ids, w, w_gu, w_dn = operands(t, k, 8, 128, 256, seed=5, ids=ids)
+    args = [jnp.asarray(a) for a in (x, ids, w, w_gu, w_dn)]
+    params = pltpu.InterpretParams(detect_races=True)
+    want = oracle(x, ids, w, w_gu, w_dn)
+    scale = max(np.abs(want).max(), 1.0)
+    for got in (
+        md.fused_moe(*args, block_f=tf, interpret=params),
+        mds.split_reference(*args, block_f=tf, interpret=params),
+    ):
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 * scale, rtol=0)
+
+
 def test_matches_the_jnp_reference():
     args = [jnp.asarray(a) for a in operands(4, 2, 8, 128, 256, seed=2)]
     got = md.fused_moe(*args, interpret=True)

@@ -445,7 +445,7 @@ class ShardingConfig:
     from v5p:4x4x4 up; on v6e:16x16 the LM head's gradient keeps an all-reduce stage of 3 MiB
     per chunk). The LM head's vocab chunks are then a multiple of 128 rows. For weights split
     over the axes that split the tokens: fsdp, fsdp_ep (fsdp x expert, gathered one axis at a
-    time where together they span three torus dims), fsdp_tp with tensor = 1; no effect on CPU
+    time where together they need the split), fsdp_tp with tensor = 1; no effect on CPU
     or other 2D slices. Off: GSPMD decides (docs/sharding.md, "3D TPU slices")."""
 
 

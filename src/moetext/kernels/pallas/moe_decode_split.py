@@ -171,7 +171,9 @@ def fused_down(
     h_SpF = jnp.pad(h_STF, ((0, 0), (0, tp - t), (0, 0)))
 
     def h_map(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
-        return s_, jnp.int32(0), slot_block(j, s_, n_ref, nf)
+        # Past the active count: the last active slot's last block, already in VMEM (no DMA).
+        last = jnp.maximum(jnp.minimum(s_, n_ref[0] - 1), 0)
+        return last, jnp.int32(0), slot_block(j, s_, n_ref, nf)
 
     y_dtype = jnp.dtype(out_dtype)
     needed = tiling_lib.vmem_bytes(
