@@ -141,18 +141,19 @@ def _operand_matches(rest: str) -> list[re.Match[str]]:
     return list(_OPERAND_RE.finditer(rest[:end]))
 
 
+def _operand_name(m: re.Match[str]) -> str:
+    return f"{m['name']}#{m['i']}" if m["i"] else m["name"]
+
+
 def operands(rest: str) -> list[str]:
     """Operand names of an instruction (`Instr.rest`), `name#i` for a tuple's element i."""
-    return [f"{m['name']}#{m['i']}" if m["i"] else m["name"] for m in _operand_matches(rest)]
+    return [_operand_name(m) for m in _operand_matches(rest)]
 
 
 def operand_shapes(rest: str, shapes: Mapping[str, str]) -> list[str]:
     """Operand shapes of an instruction: as printed before them, else by name from `shapes`
     (its module's definitions; "" when unknown)."""
-    return [
-        m["shape"] or shape_of(shapes, f"{m['name']}#{m['i']}" if m["i"] else m["name"])
-        for m in _operand_matches(rest)
-    ]
+    return [m["shape"] or shape_of(shapes, _operand_name(m)) for m in _operand_matches(rest)]
 
 
 def tuple_elements(shape: str) -> list[str]:

@@ -22,10 +22,10 @@ It applies inside `split_dense_gathers(True)` (config `sharding.split_dense_gath
 by `Plan.rules`) when the weight is split over exactly the mesh axes that split the tokens
 (the fsdp preset; fsdp_ep, whose non-expert weights are split over fsdp x expert; fsdp_tp
 with tensor = 1) and the sequence is not split. A weight split over several mesh axes that
-each fit two torus dims but together span three (fsdp x expert over a whole v5p slice) is
-gathered one axis at a time on the unsplit mesh. Everywhere else (the default, no rules
-context, CPU, one-dim and non-square two-dim slices, tensor parallelism of size > 1) it is
-`jnp.einsum(eq, x, w.astype(dtype))` and GSPMD decides.
+need no split each but do together (fsdp x expert spanning three torus dims, or a whole square
+2D slice: `torus.needs_split_jointly`) is gathered one axis at a time on the unsplit mesh.
+Everywhere else (the default, no rules context, CPU, one-dim and non-square two-dim slices,
+tensor parallelism of size > 1) it is `jnp.einsum(eq, x, w.astype(dtype))` and GSPMD decides.
 
 Why it is off by default: which form is faster is not known without a TPU. GSPMD's all-reduce
 runs on six rings at once over a v5p:4x4x4 (the compiler's `collective_algorithm_config`),

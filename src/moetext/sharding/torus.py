@@ -127,15 +127,19 @@ def gathers_whole(mesh: Mesh, axes: Iterable[str]) -> bool:
     return not ks or not any(_gather_needs_split(g) for g in _lines(mesh.devices, ks))
 
 
+def _slice_size(devices: np.ndarray) -> int:
+    """Devices per slice (those sharing a `slice_index`; one slice without it)."""
+    return devices.size // len({getattr(d, "slice_index", 0) for d in devices.flat})
+
+
 def needs_split_jointly(mesh: Mesh, axes: Iterable[str]) -> bool:
     """Whether a reduce-scatter over all of `axes` at once (each group of devices that differ
     only along them) would run as an all-reduce (three torus dims, or a whole square 2D slice),
     as over fsdp x expert under fsdp_ep on a whole 3D slice, where neither axis alone needs
     `split_for_collectives`: collectives one axis at a time keep it real."""
     names, devices = list(mesh.axis_names), mesh.devices
-    slice_size = devices.size // len({getattr(d, "slice_index", 0) for d in devices.flat})
     ks = [names.index(a) for a in dict.fromkeys(axes) if mesh.shape[a] > 1]
-    return len(ks) > 1 and any(_needs_split(g, slice_size) for g in _lines(devices, ks))
+    return len(ks) > 1 and any(_needs_split(g, _slice_size(devices)) for g in _lines(devices, ks))
 
 
 def split_for_collectives(mesh: Mesh, axes: Iterable[str]) -> tuple[Mesh, Renames]:
@@ -145,8 +149,7 @@ def split_for_collectives(mesh: Mesh, axes: Iterable[str]) -> tuple[Mesh, Rename
     to its pair. Unchanged (and {}) where nothing needs splitting: CPU devices, one-dim and
     non-square two-dim slices, axes already within two torus dims."""
     names, devices = list(mesh.axis_names), mesh.devices
-    slices = {getattr(d, "slice_index", 0) for d in devices.flat}
-    slice_size = devices.size // len(slices)
+    slice_size = _slice_size(devices)
     renames: Renames = {}
     for axis in dict.fromkeys(axes):
         k = names.index(axis)

@@ -81,13 +81,6 @@ def whole(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Arra
     return jnp.int32(0), jnp.int32(0)
 
 
-def slot_block(j: jax.Array, s_: jax.Array, n_ref: Ref, num_f: int) -> jax.Array:
-    """F block j of slot s_, or the last block past the active count: with the slot clamped to
-    the last active one, a BlockSpec'd operand (fused_down's h) then stays on the block the
-    last active step read, so no DMA runs."""
-    return jnp.where(s_ < n_ref[0], j, num_f - 1)
-
-
 # A window of one weight operand: (expert e, F block j) -> the ref view to copy.
 Window = Callable[[jax.Array, jax.Array], Ref]
 

@@ -33,7 +33,6 @@ from moetext.kernels.pallas.moe_decode import (
     gate_up_windows,
     in_hbm,
     matmul_f32,
-    slot_block,
     whole,
 )
 from moetext.kernels.typed_jax import ShapeDtypeStruct
@@ -172,8 +171,9 @@ def fused_down(
 
     def h_map(s_: jax.Array, j: jax.Array, slots: Ref, n_ref: Ref) -> tuple[jax.Array, ...]:
         # Past the active count: the last active slot's last block, already in VMEM (no DMA).
-        last = jnp.maximum(jnp.minimum(s_, n_ref[0] - 1), 0)
-        return last, jnp.int32(0), slot_block(j, s_, n_ref, nf)
+        active = s_ < n_ref[0]
+        last = jnp.maximum(n_ref[0] - 1, 0)
+        return jnp.where(active, s_, last), jnp.int32(0), jnp.where(active, j, nf - 1)
 
     y_dtype = jnp.dtype(out_dtype)
     needed = tiling_lib.vmem_bytes(
