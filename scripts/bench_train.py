@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import resource
 import time
 from typing import Any
 
@@ -31,9 +32,13 @@ import numpy as np
 import moetext  # noqa: F401  (quiets libtpu's TPU probing where there is no TPU)
 from moetext import config as config_lib
 from moetext import data as data_lib
+from moetext import host_memory
 from moetext.models.flops import flops_per_token
 from moetext.program import build, jit_train_step, lower_checked, put_batch
 from moetext.train import peak as peak_lib
+
+# As the trainer's entry point does (src/train.py): time the step the trainer runs.
+host_memory.reuse_freed_memory()
 
 MAXTEXT = ["kernels.gmm_backend=ragged_dot", "model.loss_chunk_size=0"]
 
@@ -51,16 +56,22 @@ class Arm:
     compile_s: float
     times: list[float] = dataclasses.field(default_factory=list)
     cpu_times: list[float] = dataclasses.field(default_factory=list)
+    sys_times: list[float] = dataclasses.field(default_factory=list)
+    page_faults: list[int] = dataclasses.field(default_factory=list)
     loss: float = float("nan")
 
     def run(self, steps: int, timed: bool) -> None:
         for i in range(steps):
             t0, c0 = time.perf_counter(), time.process_time()
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
             self.state, m = self.step(self.state, self.batches[i % len(self.batches)])
             jax.block_until_ready(m)
             if timed:
                 self.times.append(time.perf_counter() - t0)
                 self.cpu_times.append(time.process_time() - c0)
+                r1 = resource.getrusage(resource.RUSAGE_SELF)
+                self.sys_times.append(r1.ru_stime - r0.ru_stime)
+                self.page_faults.append(r1.ru_minflt - r0.ru_minflt)
         self.loss = float(m["loss"])
 
 
@@ -99,6 +110,13 @@ def report(arm: Arm, path: str, peak: peak_lib.Peak) -> dict[str, Any]:
         # CPU seconds of this process per step (all threads): on a host shared with other jobs
         # it moves less than wall time, since waiting for a core costs no CPU time.
         "step_cpu_s_median": float(np.median(arm.cpu_times)),
+        # Of which the kernel's (mapping and zeroing fresh pages, moetext/host_memory.py), and
+        # the minor page faults per step.
+        "step_sys_s_median": float(np.median(arm.sys_times)),
+        "page_faults_per_step_median": float(np.median(arm.page_faults)),
+        "host_memory_reuse": host_memory.reuse_freed_memory(),
+        # The process's peak resident memory so far (all arms: read it from a one-arm run).
+        "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "tokens_per_s": tokens / dt,
         "model_tflops_per_s": fpt * tokens / dt / 1e12,
         "mfu": peak.mfu(fpt * tokens / dt / n),

@@ -3,7 +3,13 @@
 import sys
 
 import moetext  # noqa: F401  (quiets libtpu's TPU probing where there is no TPU)
-from moetext.cli import main
+from moetext import host_memory
+
+# Before XLA's threads exist: its per-step host buffers are then reused instead of mapped and
+# faulted in anew every step (moetext/host_memory.py; MOETEXT_REUSE_HOST_MEMORY=0 turns it off).
+host_memory.reuse_freed_memory()
+
+from moetext.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())
