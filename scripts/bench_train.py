@@ -15,6 +15,11 @@ alternate: `--rounds` rounds of `--steps` steps per arm, in arm order. Each arm 
 median of all its steps, and "x this" = its median step time over this arm's (> 1 is slower);
 "cpu x this" the same ratio of CPU time per step (steadier on a shared host), and the per-round
 ratios show the spread.
+
+Like the trainer's entry point it has glibc reuse XLA:CPU's freed host buffers
+(moetext/host_memory.py; `MOETEXT_REUSE_HOST_MEMORY=0` for glibc's defaults, a setting of the
+process: compare it across processes); each arm also reports its kernel (system) time and minor
+page faults per step, and the process's peak resident memory.
 """
 
 from __future__ import annotations
