@@ -18,6 +18,8 @@ LAYERS: dict[str, set[str]] = {
     "paths": {"errors"},  # user paths resolved and checked at the boundary (every CLI)
     # Reading compiled programs' HLO text: collectives, loops and their trip counts.
     "hlo": set(),
+    # glibc malloc settings for the process, applied by the trainer's entry point.
+    "host_memory": set(),
     "config": {"errors", "paths"},
     "kernels": {"errors", "paths", "config"},
     "sharding": {"errors", "paths", "config"},
