@@ -7,7 +7,11 @@ from moetext import host_memory
 
 # Before XLA's threads exist: its per-step host buffers are then reused instead of mapped and
 # faulted in anew every step (moetext/host_memory.py; MOETEXT_REUSE_HOST_MEMORY=0 turns it off).
-host_memory.reuse_freed_memory()
+try:
+    host_memory.reuse_freed_memory()
+except ValueError as e:  # a bad MOETEXT_REUSE_HOST_MEMORY: one line, as the CLI's config errors
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
 
 from moetext.cli import main  # noqa: E402
 

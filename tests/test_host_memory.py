@@ -70,3 +70,20 @@ def test_bad_flag_is_named(monkeypatch):
     monkeypatch.setenv(host_memory.ENV, "maybe")
     with pytest.raises(ValueError, match="MOETEXT_REUSE_HOST_MEMORY='maybe'"):
         host_memory.reuse_freed_memory()
+
+
+def test_trainer_names_a_bad_flag_in_one_line(tmp_path):
+    env = {**os.environ, host_memory.ENV: "maybe"}
+    out = subprocess.run(
+        [sys.executable, "-m", "train", "configs/models/tiny-qwen3-moe.yml"],
+        cwd=tmp_path,  # the user's own directory: the entry point fails before reading the config
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == (
+        "error: MOETEXT_REUSE_HOST_MEMORY='maybe': expected 1 (the default: reuse freed host "
+        "memory) or 0"
+    )

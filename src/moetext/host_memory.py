@@ -22,9 +22,9 @@ jemalloc): the process keeps the memory of its peak step instead of handing it b
 steps, and more than that: glibc's `posix_memalign` asks for the block plus its alignment
 slack, so a freed block of exactly the size asked for again does not fit until it merges with
 its neighbours, and the heap grows a few times before it settles. Measured
-(docs/performance.md): bench-tiny-moe's trainer peaks at ~2.0 GB resident instead of ~1.6 GB;
-a program freeing one 128 MB output per call settled after 5-35 calls holding 0.5-1.1 GB of free
-heap. Nothing computed changes.
+(docs/performance.md): bench-tiny-moe's step in scripts/bench_train.py peaks at 1.69 GB
+resident instead of 1.38 GB; a program freeing one 128 MB output per call settled after 5-35
+calls holding 0.5-1.1 GB of free heap. Nothing computed changes.
 
 The trainer's entry point (`python -m train`, src/train.py) and scripts/bench_train.py call it
 before XLA's thread pool exists (created when JAX first initializes a backend): glibc fixes its
@@ -48,6 +48,8 @@ M_ARENA_MAX = -8
 TRIM_THRESHOLD = 2**31 - 1
 
 ENV = "MOETEXT_REUSE_HOST_MEMORY"
+ON = ("1", "true", "yes", "on")
+OFF = ("0", "false", "no", "off")
 
 _applied: bool | None = None
 
@@ -60,11 +62,11 @@ def reuse_freed_memory() -> bool:
     global _applied
     if _applied is not None:
         return _applied
-    _applied = False
     flag = os.environ.get(ENV, "1").strip().lower()
-    if flag not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+    if flag not in ON + OFF:
         raise ValueError(f"{ENV}={flag!r}: expected 1 (the default: reuse freed host memory) or 0")
-    if flag in ("0", "false", "no", "off"):
+    _applied = False
+    if flag in OFF:
         return False
     libc_name = ctypes.util.find_library("c")
     if libc_name is None:
