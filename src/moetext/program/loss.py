@@ -28,12 +28,13 @@ On a CPU without bfloat16 dot instructions every head matmul widens its operands
 Numerics: every matmul takes h and the head in the compute dtype (h's dtype; the head is cast
 to it, as the model's own head einsum does) and accumulates and returns float32
 (preferred_element_type); dlogits are cast to the compute dtype for the two backward matmuls,
-as autodiff of the logits path casts them. The logits path instead rounds the logits to the
-compute dtype before its float32 log-softmax (models/qwen3_moe/model.py), so with bfloat16
-compute the two differ by that rounding (the fused path is the more exact one); with float32
-compute they agree to float32 rounding. Compute-dtype outputs (the logits path's numerics)
-made the bench-tiny-moe step 2.5% slower on CPU, where XLA lowers both to the same bf16
-YNNPACK dot and a bf16 output only adds a conversion (docs/performance.md).
+as autodiff of the logits path casts them, except where those matmuls widen their operands to
+float32 (a CPU without bfloat16 dots) and take them unrounded. The logits path instead rounds
+the logits to the compute dtype before its float32 log-softmax (models/qwen3_moe/model.py), so
+with bfloat16 compute the two differ by that rounding (the fused path is the more exact one);
+with float32 compute they agree to float32 rounding. Compute-dtype outputs (the logits path's
+numerics) made the bench-tiny-moe step 2.5% slower on CPU, where XLA lowers both to the same
+bf16 YNNPACK dot and a bf16 output only adds a conversion (docs/performance.md).
 
 Chunk j holds vocab rows j, j + N, j + 2N, ... (w.reshape(C, N, D)[:, j]), not a contiguous
 block: when a sharding preset splits "vocab" over a mesh axis (fsdp_tp), every device keeps its
@@ -87,6 +88,14 @@ def _dot(a: jax.Array, b: jax.Array, contract: tuple[int, int], upcast: bool) ->
         a, b = a.astype(F32), b.astype(F32)
     dims = (((contract[0],), (contract[1],)), ((), ()))
     return lax.dot_general(a, b, dims, preferred_element_type=F32)
+
+
+def _dlogits_operand(dlogits: jax.Array, dtype: jnp.dtype, upcast: bool) -> jax.Array:
+    """The float32 dlogits as the backward head matmuls take them: rounded to the compute dtype,
+    as autodiff of the logits path rounds them, unless the matmuls widen their operands to
+    float32 anyway (upcast): a bfloat16 round trip there only loses bits and costs a pass over
+    [T, C] (docs/performance.md)."""
+    return dlogits if upcast else dlogits.astype(dtype)
 
 
 def masked_nll(
@@ -318,7 +327,7 @@ def _nll_bwd(
         w_CD, logits_TC, ids_C = _chunk_logits(h_TD, w_CND, j, vocab, gather, upcast)
         hit_TC = ids_C[None, :] == targets_T[:, None]
         dlogits_TC = (jnp.exp(logits_TC - lse_T[:, None]) - hit_TC) * dnll_T[:, None]
-        dlogits_TC = dlogits_TC.astype(h_TD.dtype)
+        dlogits_TC = _dlogits_operand(dlogits_TC, h_TD.dtype, upcast)
         if not gather:
             dlogits_TC = constrain(dlogits_TC, ("batch", "vocab"))
         dh_TD = dh_TD + _dot(dlogits_TC, w_CD, (1, 0), upcast)
@@ -448,9 +457,8 @@ def _tokens_nll_fwd(
         h_CD, targets_C, weights_C = xs
         logits_CV, lse_C, nll_C = _token_chunk(h_CD, wide_VD, targets_C, upcast)
         hit_CV = ids_V[None, :] == targets_C[:, None]
-        # Rounded to the compute dtype, as the vocab path's (and autodiff's) dlogits are.
-        dlogits_CV = ((jnp.exp(logits_CV - lse_C[:, None]) - hit_CV) * weights_C[:, None]).astype(
-            h_CD.dtype
+        dlogits_CV = _dlogits_operand(
+            (jnp.exp(logits_CV - lse_C[:, None]) - hit_CV) * weights_C[:, None], h_CD.dtype, upcast
         )
         dh_CD = _dot(dlogits_CV, wide_VD, (1, 0), upcast)
         dw_VD = constrain(dw_VD + _dot(dlogits_CV, h_CD, (0, 0), upcast), HEAD_NAMES)
