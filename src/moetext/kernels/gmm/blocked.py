@@ -43,14 +43,18 @@ def choose_tiles(m: int, num_local: int, tiling: TilingArg = None) -> tuple[int,
     """Static tile row counts, largest first: tiles[0] = tm for full tiles, then the remainder
     sizes tm/2, tm/4, ... down to max(8, tm/16) (all powers of two, all <= M).
 
-    By default tm is about twice the mean group size (so a typical group is one or two calls),
-    clamped to [128, 512]; tiling[0] overrides it (rounded up to a power of two). tm never
-    exceeds M (rounded down to a power of two) because tiles are clamped slices of lhs.
+    By default tm is the mean group size rounded up to a power of two, clamped to [128, 512]; a
+    group a little over the mean is then one full tile plus a small remainder tile. (Twice the
+    mean, the rule before, padded every group just over a power-of-two mean to a whole tile of
+    twice its size: 1.6x the rows at bench-tiny-moe's 8 experts of ~256 rows; the rule here ran
+    its fwd+bwd gmm in 0.80x the time, docs/performance.md.) tiling[0] overrides it (rounded up
+    to a power of two). tm never exceeds M (rounded down to a power of two) because tiles are
+    clamped slices of lhs.
     """
     if tiling is not None and not callable(tiling):
         tm = pow2_ceil(tiling[0])
     else:  # a callable tiling is a per-chip TPU table (pallas/tiling.py); CPU tiles are chosen here
-        tm = min(_MAX_TM, max(_MIN_TM, pow2_ceil(2 * m // max(num_local, 1))))
+        tm = min(_MAX_TM, max(_MIN_TM, pow2_ceil(m // max(num_local, 1))))
     tm = min(tm, 1 << (max(m, 1).bit_length() - 1))
     smallest = min(tm, max(8, tm // _SIZES_BELOW_TM))
     return tuple(tm >> i for i in range((tm // smallest).bit_length()))
