@@ -14,6 +14,7 @@ than the absolute ms do.
     python scripts/bench_gmm.py --tpu-aot [--chips v5p ...]  # TPU compiler estimates (AOT)
     python scripts/bench_gmm.py --floor                      # memory-traffic floor per G
     python scripts/bench_gmm.py --d 1024 --f 384 --ms 32768 --gs 128   # another shape
+    python scripts/bench_gmm.py --backends blocked --tm 0 512 ...  # blocked's row tile: 0 = default
 
 --floor times, against the same dense fwd+bwd, what any grouped fwd+bwd must do besides its
 FLOPs: produce the [G, D, F] weight gradient (a fresh buffer filled once) and read the
@@ -42,12 +43,16 @@ SKIP_BY_DEFAULT = ("reference", "pallas_tpu")  # float64 callback / interpret mo
 
 
 def group_sizes(m: int, g: int, routing: str, seed: int = 0) -> np.ndarray:
-    """[G] int32 summing to M: equal shares, or Dirichlet(0.3) expert popularity."""
+    """[G] int32 summing to M: equal shares (balanced), each row's expert drawn uniformly at
+    random (uniform: sizes scatter around M/G, as an untrained router's do), or Dirichlet(0.3)
+    expert popularity."""
+    rng = np.random.default_rng(seed)
     if routing == "balanced":
         sizes = np.full(g, m // g)
         sizes[: m - sizes.sum()] += 1
+    elif routing == "uniform":
+        sizes = rng.multinomial(m, np.full(g, 1.0 / g))
     else:
-        rng = np.random.default_rng(seed)
         sizes = rng.multinomial(m, rng.dirichlet(np.full(g, 0.3)))
     return sizes.astype(np.int32)
 
@@ -83,7 +88,9 @@ def _fwd_bwd(f):
     return jax.jit(run)
 
 
-def bench_shape(m, g, routing, dtype, backends, reps, budget_s, rng, d=D, f=F) -> list[dict]:
+def bench_shape(
+    m, g, routing, dtype, backends, reps, budget_s, rng, d=D, f=F, tms=(0,)
+) -> list[dict]:
     D, F = d, f  # noqa: N806  (the legend's names)
     x = jnp.asarray(rng.standard_normal((m, D)), dtype)
     w_GDF = jnp.asarray(rng.standard_normal((g, D, F)) / np.sqrt(D), dtype)
@@ -96,10 +103,13 @@ def bench_shape(m, g, routing, dtype, backends, reps, budget_s, rng, d=D, f=F) -
         "fwd+bwd": (_fwd_bwd(jnp.dot), (x, dense_w, dout)),
     }
     rows = []
-    for name in backends:
+    # blocked once per --tm row tile (0: its default), labelled blocked/tmN; others once
+    runs = [(n, tm) for n in backends for tm in (tms if n == "blocked" else (0,))]
+    for backend, tm in runs:
+        name = f"{backend}/tm{tm}" if tm else backend
 
-        def f(a, b, name=name):
-            return gmm_lib.gmm(a, b, gs, backend=name)
+        def f(a, b, backend=backend, tm=tm):
+            return gmm_lib.gmm(a, b, gs, backend=backend, tiling=(tm, 128, 128) if tm else None)
 
         for mode, fn, args, mult in (
             ("fwd", jax.jit(f), (x, w_GDF), 1),
@@ -178,7 +188,7 @@ def parse_args(argv=None):
         "--routings",
         nargs="+",
         default=["balanced", "dirichlet"],
-        choices=["balanced", "dirichlet"],
+        choices=["balanced", "uniform", "dirichlet"],
     )
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     p.add_argument("--d", type=int, default=D, help=f"model dim D = K (default {D})")
@@ -189,6 +199,13 @@ def parse_args(argv=None):
         type=float,
         default=20.0,
         help="cap on timed seconds per point: slow backends get fewer reps",
+    )
+    p.add_argument(
+        "--tm",
+        nargs="+",
+        type=int,
+        default=[0],
+        help="row tiles of the blocked backend to compare (0: its default choice)",
     )
     p.add_argument("--quick", action="store_true", help="M=2048 only, 3 reps")
     p.add_argument("--out", type=Path, help="write the rows as JSON here")
@@ -228,6 +245,9 @@ def main(argv=None) -> int:
     if rest:
         print(f"unknown arguments: {rest}", file=sys.stderr)
         return 2
+    if any(tm < 0 for tm in args.tm):
+        print(f"--tm takes row tiles >= 0 (0: the default choice), got {args.tm}", file=sys.stderr)
+        return 2
     if args.floor:
         for dtype in args.dtypes:
             memory_floor(min(args.ms), args.gs, jnp.dtype(dtype), max(args.reps, 7), args.d, args.f)
@@ -262,6 +282,7 @@ def main(argv=None) -> int:
                         rng,
                         args.d,
                         args.f,
+                        args.tm,
                     )
     if args.out:
         args.out.write_text(
