@@ -47,9 +47,9 @@ def choose_tiles(m: int, num_local: int, tiling: TilingArg = None) -> tuple[int,
     group a little over the mean is then one full tile plus a small remainder tile. (Twice the
     mean, the rule before, padded every group just over a power-of-two mean to a whole tile of
     twice its size: 1.6x the rows at bench-tiny-moe's 8 experts of ~256 rows; the rule here ran
-    its fwd+bwd gmm in 0.80x the time, docs/performance.md.) tiling[0] overrides it (rounded up
-    to a power of two). tm never exceeds M (rounded down to a power of two) because tiles are
-    clamped slices of lhs.
+    its fwd+bwd gmm in 0.76-0.88x the time, docs/performance.md.) tiling[0] overrides it
+    (rounded up to a power of two). tm never exceeds M (rounded down to a power of two)
+    because tiles are clamped slices of lhs.
     """
     if tiling is not None and not callable(tiling):
         tm = pow2_ceil(tiling[0])
