@@ -1,7 +1,13 @@
-"""Synthetic data determinism and the optimizer's decay mask and schedule."""
+"""Synthetic data determinism and the optimizer's decay mask, schedule and clip."""
 
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from moetext import optim
@@ -52,3 +58,75 @@ def test_schedule_warmup_then_cosine_to_floor():
     assert float(s(4)) == pytest.approx(1.0)
     assert float(s(20)) == pytest.approx(0.1)
     assert all(float(s(i)) >= float(s(i + 1)) for i in range(4, 20))
+
+
+def test_clip_by_global_norm_matches_the_float64_clip():
+    """optim.clip_by_global_norm (a scalar scale, so XLA fuses it) against the float64 clip
+    g * c / ||g|| on float32 leaves: within 1e-6 relative (the norm's float32 sums and two
+    roundings, a few ulp). A bfloat16 leaf (its squares summed in bfloat16 by optax.tree.norm,
+    as in optax's own clip) against optax.clip_by_global_norm: within 2^-7 (each side rounds
+    twice to bfloat16, 2^-9 each). Under the norm every leaf comes back bit for bit; a NaN
+    norm stays NaN."""
+    rng = np.random.default_rng(0)
+    g = {
+        "w": jnp.asarray(rng.standard_normal((64, 32)), jnp.float32),
+        "v": jnp.asarray(rng.standard_normal((7,)), jnp.float32),
+    }
+    norm64 = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in g.values()))
+    for c in (0.5, 3.0):  # norm64 is ~45: both clip
+        out, _ = optim.clip_by_global_norm(c).update(g, ())
+        for k in g:
+            want = np.asarray(g[k], np.float64) * c / norm64
+            assert out[k].dtype == jnp.float32
+            np.testing.assert_allclose(np.asarray(out[k], np.float64), want, rtol=1e-6)
+    mixed = {**g, "v": g["v"].astype(jnp.bfloat16)}
+    out, _ = optim.clip_by_global_norm(0.5).update(mixed, ())
+    want, _ = optax.clip_by_global_norm(0.5).update(mixed, ())
+    for k, rtol in (("w", 1e-6), ("v", 2.0**-7)):
+        assert out[k].dtype == mixed[k].dtype
+        np.testing.assert_allclose(
+            np.asarray(out[k], np.float64), np.asarray(want[k], np.float64), rtol=rtol
+        )
+    out, _ = optim.clip_by_global_norm(norm64 * 1.01).update(g, ())
+    for k in g:
+        assert np.array_equal(np.asarray(out[k]), np.asarray(g[k]))
+    bad = {**g, "w": g["w"].at[0, 0].set(jnp.nan)}
+    out, _ = optim.clip_by_global_norm(1.0).update(bad, ())
+    assert bool(jnp.isnan(out["v"]).all())
+
+
+def test_adamw_state_is_optaxs_so_checkpoints_carry_over():
+    """The clip keeps optax.clip_by_global_norm's state: the optimizer state's tree (what an
+    orbax checkpoint stores) is the one optax's own chain builds, leaf for leaf."""
+    params = {"w": jnp.ones((3, 4)), "scale": jnp.ones((4,))}
+    cfg = OptimConfig(learning_rate=0.1, weight_decay=0.5, clip_norm=1.0, warmup_steps=0)
+    ours = optim.build(cfg, total_steps=10).init(params)
+    theirs = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(optim.schedule(cfg, 10), weight_decay=0.5, mask=optim.decay_mask),
+    ).init(params)
+    assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+    assert [x.shape for x in jax.tree.leaves(ours)] == [x.shape for x in jax.tree.leaves(theirs)]
+
+
+def test_bench_optim_runs_from_another_directory():
+    """scripts/bench_optim.py as a user types it (a relative config path, run from the config's
+    directory): it checks that moetext's update and optax's agree after one step, then times
+    both and prints their ratio; a bad --reps is a one-line error."""
+    repo = Path(__file__).resolve().parents[2]
+
+    def bench(reps: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, str(repo / "scripts/bench_optim.py"), "tiny-qwen3-moe.yml"]
+            + ["--reps", reps],
+            cwd=repo / "configs/models",
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+
+    out = bench("1")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "moetext / optax:" in out.stdout
+    bad = bench("0")
+    assert bad.returncode != 0 and "--reps 0: expected at least 1" in bad.stderr
