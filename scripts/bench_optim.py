@@ -30,22 +30,6 @@ from moetext import optim
 from moetext.program import build
 
 
-def optax_clip_chain(cfg: config_lib.OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    """optim.build's chain with optax.clip_by_global_norm in place of moetext's clip."""
-    parts = [] if cfg.clip_norm is None else [optax.clip_by_global_norm(cfg.clip_norm)]
-    parts.append(
-        optax.adamw(
-            optim.schedule(cfg, total_steps),
-            b1=cfg.b1,
-            b2=cfg.b2,
-            eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
-            mask=optim.decay_mask,
-        )
-    )
-    return optax.chain(*parts)
-
-
 def jitted_update(tx: optax.GradientTransformation) -> Any:
     def update(params: Any, state: Any, grads: Any) -> tuple[Any, Any]:
         updates, state = tx.update(grads, state, params)
@@ -70,7 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         lambda p: jnp.asarray(rng.standard_normal(p.shape) * 0.01, p.dtype), params
     )
     steps = cfg.train.steps
-    arms = {"optax": optax_clip_chain(cfg.optim, steps), "moetext": optim.build(cfg.optim, steps)}
+    arms = {
+        "optax": optim.adamw(cfg.optim, steps, clip=optax.clip_by_global_norm),
+        "moetext": optim.build(cfg.optim, steps),
+    }
     fns = {k: jitted_update(tx) for k, tx in arms.items()}
     copy = lambda tree: jax.tree.map(jnp.copy, tree)
     states = {k: (copy(params), tx.init(params)) for k, tx in arms.items()}

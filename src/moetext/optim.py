@@ -52,7 +52,7 @@ def build(
     freeze (train.freeze): params whose unscanned name (`param_names`) fully matches one of
     these regexes get no update and no optimizer state (optax.multi_transform: AdamW and the
     clipping norm see only the trained params)."""
-    trained = _adamw(cfg, total_steps)
+    trained = adamw(cfg, total_steps)
     if not freeze:
         return trained
     assert param_names is not None, "train.freeze needs the params' names"
@@ -93,23 +93,6 @@ def freeze_labels(params: Any, freeze: Sequence[str], param_names: ParamNames) -
     return labels
 
 
-def _adamw(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    parts: list[optax.GradientTransformation] = []
-    if cfg.clip_norm is not None:
-        parts.append(clip_by_global_norm(cfg.clip_norm))
-    parts.append(
-        optax.adamw(
-            schedule(cfg, total_steps),
-            b1=cfg.b1,
-            b2=cfg.b2,
-            eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
-            mask=decay_mask,
-        )
-    )
-    return optax.chain(*parts)
-
-
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     """optax.clip_by_global_norm with one division per step instead of one per element: where
     the global norm n reaches max_norm every update is multiplied by the scalar max_norm / n
@@ -130,3 +113,28 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
         return jax.tree.map(lambda t: t * scale.astype(t.dtype), updates), state
 
     return optax.GradientTransformation(base.init, update)
+
+
+Clip = Callable[[float], optax.GradientTransformation]
+
+
+def adamw(
+    cfg: OptimConfig, total_steps: int, clip: Clip = clip_by_global_norm
+) -> optax.GradientTransformation:
+    """`clip(cfg.clip_norm)` (unless clip_norm is None), then AdamW on `schedule` with no decay
+    on vectors (`decay_mask`). clip: moetext's clip, or another with its signature
+    (scripts/bench_optim.py times this chain with optax.clip_by_global_norm)."""
+    parts: list[optax.GradientTransformation] = []
+    if cfg.clip_norm is not None:
+        parts.append(clip(cfg.clip_norm))
+    parts.append(
+        optax.adamw(
+            schedule(cfg, total_steps),
+            b1=cfg.b1,
+            b2=cfg.b2,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            mask=decay_mask,
+        )
+    )
+    return optax.chain(*parts)
