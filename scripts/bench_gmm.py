@@ -7,7 +7,10 @@ moetext.kernels.gmm.gmm, forward alone and forward + backward (dlhs and drhs via
 jit, after warm-up. The baseline is x[M, D] @ w[D, F] (the same FLOPs: every row meets one D x F
 matrix), forward and forward + backward, timed in alternation with the backend; each ratio is
 the median over --reps (dense, backend) call pairs, so it survives a loaded machine better
-than the absolute ms do.
+than the absolute ms do. The dense matmul runs in this host's faster form for the dtype: on a
+CPU without bfloat16 dot instructions its bf16 operands are widened to f32 first, as the
+trainer's head does (kernels/host_dots.py; there that is the faster dense dot of the same
+values, so a grouped matmul is not flattered by a slow baseline).
 
     python scripts/bench_gmm.py --quick                      # CPU, bf16 + f32, M=2048
     python scripts/bench_gmm.py --backends blocked ragged_dot --out bench.json
@@ -37,6 +40,7 @@ import numpy as np
 
 import moetext  # noqa: F401  (quiets libtpu's TPU probing where there is no TPU)
 from moetext.kernels import gmm as gmm_lib
+from moetext.kernels.host_dots import upcast_bf16_dots
 
 D, F = 2048, 768  # defaults of --d / --f: Qwen3-30B-A3B's model dim and expert hidden dim
 SKIP_BY_DEFAULT = ("reference", "pallas_tpu")  # float64 callback / interpret mode: not a speed
@@ -80,6 +84,15 @@ def time_pair(fn, base, args, base_args, *, reps: int, budget_s: float) -> tuple
     return 1e3 * ms, 1e3 * dense, ratio, n
 
 
+def dense_dot(a, b):
+    """The equal-FLOP baseline a @ b in a's dtype, f32 accumulation, bf16 operands widened to
+    f32 where this CPU has no bf16 dots (module docstring)."""
+    out = a.dtype
+    if upcast_bf16_dots(a.dtype):
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(out)
+
+
 def _fwd_bwd(f):
     def run(a, b, dout):
         out, vjp = jax.vjp(f, a, b)
@@ -99,8 +112,8 @@ def bench_shape(
     flops = 2.0 * m * D * F
     dense_w = w_GDF[0]
     base = {
-        "fwd": (jax.jit(jnp.dot), (x, dense_w)),
-        "fwd+bwd": (_fwd_bwd(jnp.dot), (x, dense_w, dout)),
+        "fwd": (jax.jit(dense_dot), (x, dense_w)),
+        "fwd+bwd": (_fwd_bwd(dense_dot), (x, dense_w, dout)),
     }
     rows = []
     # blocked once per --tm row tile (0: its default), labelled blocked/tmN; others once
@@ -163,7 +176,7 @@ def memory_floor(m: int, gs: list[int], dtype, reps: int, d: int = D, f: int = F
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((m, D)), dtype)
     dout = jnp.asarray(rng.standard_normal((m, F)), dtype)
-    dense, dense_args = _fwd_bwd(jnp.dot), (x, x[:D, :F], dout)
+    dense, dense_args = _fwd_bwd(dense_dot), (x, x[:D, :F], dout)
     print(f"M={m} D={D} F={F} {jnp.dtype(dtype).name}; medians of {reps} alternating calls")
     for g in gs:
         w = jnp.asarray(rng.standard_normal((g, D, F)), dtype)
@@ -269,6 +282,9 @@ def main(argv=None) -> int:
         f"ratio = backend time / dense matmul time of equal FLOPs",
         flush=True,
     )
+    for dtype in args.dtypes:
+        if upcast_bf16_dots(jnp.dtype(dtype)):
+            print(f"dense {dtype}: operands widened to float32 (no bf16 dots on this CPU)")
     print(HEADER, flush=True)
     rng = np.random.default_rng(0)
     rows = []

@@ -12,6 +12,7 @@ from moetext.kernels.pallas.target import compiling_for
 AVX2_EPYC = "processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma bmi2\n"
 SAPPHIRE_RAPIDS = "flags\t\t: avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
 NEOVERSE_V1 = "Features\t: fp asimd sve bf16 i8mm\n"
+ICE_LAKE = "flags\t\t: avx2 fma avx512f avx512bw avx512_vnni\n"
 
 
 def test_cpuinfo_names_the_bf16_dot_instructions():
@@ -54,3 +55,26 @@ def test_widened_operands_give_the_bf16_dot():
     ref = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
     for got in (narrow, wide):
         np.testing.assert_allclose(np.asarray(got), ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+
+
+def test_avx2_class_is_avx2_without_wider_or_bf16_dots():
+    assert host_dots.avx2_class_from_cpuinfo(AVX2_EPYC)
+    for other in (ICE_LAKE, SAPPHIRE_RAPIDS, NEOVERSE_V1, ""):
+        assert not host_dots.avx2_class_from_cpuinfo(other)
+
+
+def test_widen_gmm_tiles_follows_the_cpu_and_its_override(monkeypatch):
+    monkeypatch.delenv(host_dots.GMM_ENV, raising=False)
+    for cpuinfo, want in ((AVX2_EPYC, True), (ICE_LAKE, False), (None, False)):
+        monkeypatch.setattr(host_dots, "_cpuinfo", lambda c=cpuinfo: c)
+        assert host_dots.widen_gmm_tiles() is want
+        monkeypatch.setenv(host_dots.GMM_ENV, "native")
+        assert not host_dots.widen_gmm_tiles()
+        monkeypatch.setenv(host_dots.GMM_ENV, "widen")
+        assert host_dots.widen_gmm_tiles()
+        with compiling_for("v6e"):  # code compiled for a TPU is not this CPU's
+            assert not host_dots.widen_gmm_tiles()
+        monkeypatch.delenv(host_dots.GMM_ENV)
+    monkeypatch.setenv(host_dots.GMM_ENV, "eigen")
+    with pytest.raises(ValueError, match="MOETEXT_CPU_GMM_DOTS='eigen': expected native or widen"):
+        host_dots.widen_gmm_tiles()

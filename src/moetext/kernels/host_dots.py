@@ -14,6 +14,16 @@ bfloat16 dot with float32 accumulation, up to the order of the sums.
 The environment variable MOETEXT_CPU_BF16_DOTS=native (keep bfloat16 operands) or =widen
 (widen them) overrides the detection, for a host whose /proc/cpuinfo hides its flags (some
 VMs) or to compare the two (docs/performance.md).
+
+The blocked grouped matmul (kernels/gmm/blocked.py) asks a second question, `widen_gmm_tiles()`:
+whether this CPU is AVX2-class, with neither bfloat16 dot instructions nor AVX-512. There
+XLA:CPU's own dot (Eigen, which jaxlib builds for AVX2 and which takes a transposed operand as
+it is) runs the gmm's per-tile products faster than YNNPACK does: float32 tiles for the forward
+and dlhs products, and the weight gradient's x_tile.T @ y_tile as one row contraction instead
+of a transposed copy of x (M=32768, K=1024, N=384 over 128 experts on a 2-core AVX2 EPYC:
+fwd+bwd 1.34x -> 1.17x an equal-FLOP dense matmul; docs/performance.md). On an AVX-512 or
+bfloat16 host YNNPACK has the wider kernels and the gmm keeps its operands as given.
+MOETEXT_CPU_GMM_DOTS=widen or =native overrides that detection the same way.
 """
 
 from __future__ import annotations
@@ -33,13 +43,41 @@ ENV = "MOETEXT_CPU_BF16_DOTS"
 NATIVE_BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16", "bf16"})
 
 
-def native_bf16_from_cpuinfo(cpuinfo: str) -> bool:
-    """Whether a Linux /proc/cpuinfo text names a bfloat16 dot instruction set."""
+GMM_ENV = "MOETEXT_CPU_GMM_DOTS"
+# x86 flags of the vector sets wider than AVX2 whose dot kernels YNNPACK picks at run time.
+WIDE_VECTOR_FLAGS = frozenset({"avx512f"})
+
+
+def cpuinfo_flags(cpuinfo: str) -> frozenset[str]:
+    """The instruction-set flags a Linux /proc/cpuinfo text lists (x86 "flags", Arm "Features")."""
+    flags: set[str] = set()
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
-        if key.strip().lower() in ("flags", "features") and NATIVE_BF16_FLAGS & set(value.split()):
-            return True
-    return False
+        if key.strip().lower() in ("flags", "features"):
+            flags.update(value.split())
+    return frozenset(flags)
+
+
+def native_bf16_from_cpuinfo(cpuinfo: str) -> bool:
+    """Whether a Linux /proc/cpuinfo text names a bfloat16 dot instruction set."""
+    return bool(NATIVE_BF16_FLAGS & cpuinfo_flags(cpuinfo))
+
+
+def avx2_class_from_cpuinfo(cpuinfo: str) -> bool:
+    """Whether a Linux /proc/cpuinfo text describes an AVX2 x86 with neither AVX-512 nor
+    bfloat16 dot instructions."""
+    flags = cpuinfo_flags(cpuinfo)
+    return "avx2" in flags and not (flags & (WIDE_VECTOR_FLAGS | NATIVE_BF16_FLAGS))
+
+
+def _forced(env: str) -> bool | None:
+    """True for env=native, False for =widen, None when unset."""
+    forced = os.environ.get(env, "")
+    if not forced:
+        return None
+    if forced not in ("native", "widen"):
+        raise ValueError(f"{env}={forced!r}: expected native or widen (or unset: detect)")
+    return forced == "native"
 
 
 def native_bf16_dots() -> bool:
@@ -47,21 +85,24 @@ def native_bf16_dots() -> bool:
     (native or widen), else read from /proc/cpuinfo on Linux and from sysctl
     hw.optional.arm.FEAT_BF16 on macOS; True where neither answers (the bfloat16 dot is then
     kept, as everywhere before this check)."""
-    forced = os.environ.get(ENV, "")
-    if forced:
-        if forced not in ("native", "widen"):
-            raise ValueError(f"{ENV}={forced!r}: expected native or widen (or unset: detect)")
-        return forced == "native"
-    return _detected()
+    forced = _forced(ENV)
+    return _detected() if forced is None else forced
+
+
+@functools.cache
+def _cpuinfo() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 @functools.cache
 def _detected() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return native_bf16_from_cpuinfo(f.read())
-    except OSError:
-        pass
+    cpuinfo = _cpuinfo()
+    if cpuinfo is not None:
+        return native_bf16_from_cpuinfo(cpuinfo)
     if platform.system() == "Darwin":
         try:
             out = subprocess.run(
@@ -77,13 +118,28 @@ def _detected() -> bool:
     return True
 
 
+def _traced_for_this_cpu() -> bool:
+    """Whether code traced now runs on this process's CPU (not on, nor compiled ahead of time
+    for, an accelerator)."""
+    return not target.tpu_code() and jax.default_backend() == "cpu"
+
+
 def upcast_bf16_dots(dtype: jnp.dtype | type) -> bool:
     """Whether a matmul traced now with `dtype` operands should take them as float32: the
-    operands are bfloat16, the code runs on this process's CPU (not on, nor compiled ahead of
-    time for, an accelerator), and the CPU has no bfloat16 dot instructions."""
-    return (
-        jnp.dtype(dtype) == jnp.bfloat16
-        and not target.tpu_code()
-        and jax.default_backend() == "cpu"
-        and not native_bf16_dots()
-    )
+    operands are bfloat16, the code runs on this process's CPU, and the CPU has no bfloat16
+    dot instructions."""
+    return jnp.dtype(dtype) == jnp.bfloat16 and _traced_for_this_cpu() and not native_bf16_dots()
+
+
+def widen_gmm_tiles() -> bool:
+    """Whether the blocked gmm traced now should take its per-tile dots in float32 and its
+    weight gradient as row contractions (module docstring): the code runs on this process's
+    CPU and that CPU is AVX2-class (MOETEXT_CPU_GMM_DOTS when set, else /proc/cpuinfo; False
+    where it cannot be read)."""
+    if not _traced_for_this_cpu():
+        return False
+    forced = _forced(GMM_ENV)
+    if forced is not None:
+        return not forced
+    cpuinfo = _cpuinfo()
+    return cpuinfo is not None and avx2_class_from_cpuinfo(cpuinfo)

@@ -18,6 +18,13 @@ tiles of up to 512 rows run at dense-matmul speed and each group costs (full til
 A single batched dot over padded tiles would need a [tiles, K, N] gather of the weights, more
 memory traffic than the matmul itself at these shapes. Each distinct tile size is one more
 compiled dot, which is why there are only five.
+
+Which dot runs a tile depends on the host (kernels/host_dots.py, `widen_gmm_tiles`). By default
+the operands go in as given and tgmm transposes lhs once, so each tile is a row-major
+[K, T] @ [T, N] product (YNNPACK's form; bfloat16 stays bfloat16 where the CPU multiplies it).
+On an AVX2-class CPU bfloat16 tiles are widened to float32 and tgmm contracts the rows of
+x[T, K] and y[T, N] directly: XLA:CPU's own dot takes that form without the M x K transpose and
+runs these tile shapes faster there.
 """
 
 from __future__ import annotations
@@ -32,11 +39,13 @@ from jax import Array, lax
 from jax.typing import DTypeLike
 
 from moetext.kernels.gmm.backend import GmmBackend, GmmCall, TilingArg, register
+from moetext.kernels.host_dots import widen_gmm_tiles
 from moetext.kernels.pallas.common import pow2_ceil
 
 _MAX_TM = 512  # larger full tiles gain nothing measurable on XLA:CPU and raise the waste bound
 _MIN_TM = 128  # below this a full tile is too small to reach matmul speed
 _SIZES_BELOW_TM = 16  # smallest remainder tile is tm / 16: each size is one more compiled dot
+_CONTRACT_ROWS = (((0,), (0,)), ((), ()))  # x[T, K], y[T, N] -> x.T @ y [K, N]
 
 
 def choose_tiles(m: int, num_local: int, tiling: TilingArg = None) -> tuple[int, ...]:
@@ -112,6 +121,11 @@ def _for_each_tile(
     return out
 
 
+def _widened(x: jax.Array, widen: bool) -> jax.Array:
+    """x in float32 if widen and x is bfloat16 (exact; module docstring), else x."""
+    return x.astype(jnp.float32) if widen and x.dtype == jnp.bfloat16 else x
+
+
 def _row_slice(
     x_MX: jax.Array, row0: jax.Array, rows: int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -148,6 +162,7 @@ def _gmm(lhs_MK: Array, rhs: Array, group_sizes: Array, call: GmmCall) -> Array:
     tiles = choose_tiles(m, num_local, call.tiling)
     contract = (((1,), (1,)), ((), ())) if call.transpose_rhs else (((1,), (0,)), ((), ()))
     offset = jnp.asarray(call.group_offset, jnp.int32)
+    widen = widen_gmm_tiles()
 
     # Tiles run past their group's end: groups are visited in order, so those rows are later
     # overwritten by their own group, and rows no local group owns are zeroed once at the end.
@@ -156,10 +171,10 @@ def _gmm(lhs_MK: Array, rhs: Array, group_sizes: Array, call: GmmCall) -> Array:
 
     def group(i: jax.Array, out_PN: jax.Array) -> jax.Array:
         start, size = _group_window(group_sizes, offset, i)
-        w = lax.dynamic_index_in_dim(rhs, i, 0, keepdims=False)
+        w = _widened(lax.dynamic_index_in_dim(rhs, i, 0, keepdims=False), widen)
 
         def tile(out_PN: jax.Array, row0: jax.Array, rows: int) -> jax.Array:
-            x_TK = lax.dynamic_slice_in_dim(lhs_PK, row0, rows, 0)
+            x_TK = _widened(lax.dynamic_slice_in_dim(lhs_PK, row0, rows, 0), widen)
             y_TN = lax.dot_general(x_TK, w, contract, preferred_element_type=acc).astype(pet)
             return lax.dynamic_update_slice_in_dim(out_PN, y_TN, row0, 0)
 
@@ -181,10 +196,12 @@ def _tgmm(lhs_MK: Array, rhs_MN: Array, group_sizes: Array, call: GmmCall) -> Ar
     acc = _acc_dtype(pet)
     tiles = choose_tiles(m, num_groups, call.tiling)
     offset = jnp.asarray(call.group_offset, jnp.int32)
-    # XLA:CPU runs a dot at full speed only with row-major operands contracting lhs columns;
-    # x_tile.T @ y_tile written as a row contraction takes a path several times slower. One
-    # transpose of lhs up front (M*K copy) makes each tile a plain [K, T] @ [T, N] product.
-    lhs_KM = jnp.transpose(lhs_MK)
+    # XLA:CPU hands YNNPACK only row-major dots that contract lhs columns; x_tile.T @ y_tile
+    # written as a row contraction goes to its own (Eigen) dot instead, measured several times
+    # slower when this was written (53d6969, host not recorded). So lhs is transposed once up
+    # front (an M*K copy) and each tile is a plain [K, T] @ [T, N] product, except on an
+    # AVX2-class CPU, where the row contraction is the faster form (module docstring).
+    lhs_KM = None if widen_gmm_tiles() else jnp.transpose(lhs_MK)
 
     def group(i: jax.Array, out_LKN: jax.Array) -> jax.Array:
         start, size = _group_window(group_sizes, offset, i)
@@ -195,6 +212,11 @@ def _tgmm(lhs_MK: Array, rhs_MN: Array, group_sizes: Array, call: GmmCall) -> Ar
             mask &= s + jnp.arange(rows) < end
             # Zeroing the foreign rows of one operand removes their whole contribution.
             y_TN = jnp.where(mask[:, None], y_TN, jnp.zeros((), y_TN.dtype))
+            if lhs_KM is None:  # the row-contraction form, operands widened
+                x_TK = _widened(lax.dynamic_slice_in_dim(lhs_MK, s, rows, 0), True)
+                return lax.dot_general(
+                    x_TK, _widened(y_TN, True), _CONTRACT_ROWS, preferred_element_type=acc
+                )
             x_KT = lax.dynamic_slice_in_dim(lhs_KM, s, rows, 1)
             return jnp.dot(x_KT, y_TN, preferred_element_type=acc)
 
