@@ -16,12 +16,13 @@ The environment variable MOETEXT_CPU_BF16_DOTS=native (keep bfloat16 operands) o
 VMs) or to compare the two (docs/performance.md).
 
 The blocked grouped matmul (kernels/gmm/blocked.py) asks a second question, `widen_gmm_tiles()`:
-whether this CPU is AVX2-class, with neither bfloat16 dot instructions nor AVX-512. There
-XLA:CPU's own dot (Eigen, which jaxlib builds for AVX2 and which takes a transposed operand as
-it is) runs the gmm's per-tile products faster than YNNPACK does: float32 tiles for the forward
-and dlhs products, and the weight gradient's x_tile.T @ y_tile as one row contraction instead
-of a transposed copy of x (M=32768, K=1024, N=384 over 128 experts on a 2-core AVX2 EPYC:
-fwd+bwd 1.34x -> 1.17x an equal-FLOP dense matmul; docs/performance.md). On an AVX-512 or
+whether this CPU is AVX2-class, with neither bfloat16 dot instructions nor AVX-512. There the
+gmm's per-tile products run faster in another form: the forward and dlhs tiles with float32
+operands (YNNPACK's float32 dot, as for the head above), and the weight gradient's
+x_tile.T @ y_tile as one row contraction of float32 tiles, which XLA:CPU runs with its own dot
+(Eigen, built by jaxlib for AVX2) instead of slicing a transposed copy of x for YNNPACK
+(M=32768, K=1024, N=384 over 128 Dirichlet-sized experts on a 2-core AVX2 EPYC: fwd+bwd
+1.35-1.41x -> 1.07-1.08x an equal-FLOP dense matmul; docs/performance.md). On an AVX-512 or
 bfloat16 host YNNPACK has the wider kernels and the gmm keeps its operands as given.
 MOETEXT_CPU_GMM_DOTS=widen or =native overrides that detection the same way.
 """

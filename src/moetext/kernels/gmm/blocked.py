@@ -22,9 +22,9 @@ compiled dot, which is why there are only five.
 Which dot runs a tile depends on the host (kernels/host_dots.py, `widen_gmm_tiles`). By default
 the operands go in as given and tgmm transposes lhs once, so each tile is a row-major
 [K, T] @ [T, N] product (YNNPACK's form; bfloat16 stays bfloat16 where the CPU multiplies it).
-On an AVX2-class CPU bfloat16 tiles are widened to float32 and tgmm contracts the rows of
-x[T, K] and y[T, N] directly: XLA:CPU's own dot takes that form without the M x K transpose and
-runs these tile shapes faster there.
+On an AVX2-class CPU bfloat16 tiles are widened to float32 (YNNPACK's float32 dot is the faster
+one there) and tgmm contracts the rows of x[T, K] and y[T, N] directly: XLA:CPU runs that form
+with its own (Eigen) dot, without the M x K transpose, faster there at these tile shapes.
 """
 
 from __future__ import annotations
