@@ -16,6 +16,11 @@ median of all its steps, and "x this" = its median step time over this arm's (> 
 "cpu x this" the same ratio of CPU time per step (steadier on a shared host), and the per-round
 ratios show the spread.
 
+An arm's `env:VAR=VALUE` items set an environment variable while that arm traces and compiles,
+then restore it: for the settings moetext reads at trace time, such as the CPU dot forms of
+kernels/host_dots.py (`--arm native env:MOETEXT_CPU_GMM_DOTS=native`). Settings read once per
+process (XLA_FLAGS) cannot differ between arms.
+
 Like the trainer's entry point it has glibc reuse XLA:CPU's freed host buffers
 (moetext/host_memory.py; `MOETEXT_REUSE_HOST_MEMORY=0` for glibc's defaults, a setting of the
 process: compare it across processes); each arm also reports its kernel (system) time and minor
@@ -25,10 +30,13 @@ page faults per step, and the process's peak resident memory.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import resource
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -46,6 +54,37 @@ from moetext.train import peak as peak_lib
 host_memory.reuse_freed_memory()
 
 MAXTEXT = ["kernels.gmm_backend=ragged_dot", "model.loss_chunk_size=0"]
+ENV_ITEM = "env:"  # an arm item that sets an environment variable while the arm compiles
+
+
+def split_env(items: list[str]) -> tuple[dict[str, str], list[str]]:
+    """An arm's items as (environment variables, config overrides)."""
+    env: dict[str, str] = {}
+    overrides = []
+    for item in items:
+        if not item.startswith(ENV_ITEM):
+            overrides.append(item)
+            continue
+        var, eq, value = item.removeprefix(ENV_ITEM).partition("=")
+        if not var or not eq:
+            raise SystemExit(f"bench_train: {item!r} must be env:VAR=VALUE")
+        env[var] = value
+    return env, overrides
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]) -> Iterator[None]:
+    """`env` set in os.environ inside the block; every variable restored (or unset) after."""
+    saved = {var: os.environ.get(var) for var in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
 
 
 @dataclasses.dataclass
@@ -80,7 +119,9 @@ class Arm:
         self.loss = float(m["loss"])
 
 
-def prepare(name: str, path: str, overrides: list[str]) -> Arm:
+def prepare(name: str, path: str, items: list[str]) -> Arm:
+    """Arm `name`: the config with `items` (overrides and env:VAR=VALUE), compiled."""
+    env, overrides = split_env(items)
     cfg = config_lib.load(path, [*overrides, "checkpoint.enabled=false"])
     b = build(cfg)
     data = data_lib.build(cfg.data, cfg.model.vocab_size)
@@ -89,8 +130,9 @@ def prepare(name: str, path: str, overrides: list[str]) -> Arm:
     batches = [put_batch(data.next_batch(), b.batch_sharding) for _ in range(4)]
     data.close()
     t0 = time.perf_counter()
-    compiled = lower_checked(b, step, b.state, batches[0]).compile()
-    return Arm(name, overrides, cfg, compiled, b.state, batches, time.perf_counter() - t0)
+    with environment(env):
+        compiled = lower_checked(b, step, b.state, batches[0]).compile()
+    return Arm(name, items, cfg, compiled, b.state, batches, time.perf_counter() - t0)
 
 
 def report(arm: Arm, path: str, peak: peak_lib.Peak) -> dict[str, Any]:
@@ -145,7 +187,8 @@ def main() -> None:
         action="append",
         default=[],
         metavar=("NAME", "KEY=VALUE"),
-        help="another arm: the same config and overrides plus these (repeatable)",
+        help="another arm: the same config and overrides plus these, and env:VAR=VALUE items "
+        "(repeatable)",
     )
     p.add_argument(
         "--maxtext", action="store_true", help="add the arm maxtext: " + " ".join(MAXTEXT)
@@ -157,7 +200,9 @@ def main() -> None:
     specs += [(name, [*args.overrides, *extra]) for name, *extra in args.arm]
     if args.maxtext:
         specs.append(("maxtext", [*args.overrides, *MAXTEXT]))
-    arms = [prepare(name, args.config, overrides) for name, overrides in specs]
+    for _, items in specs:
+        split_env(items)  # a malformed env item fails before anything compiles
+    arms = [prepare(name, args.config, items) for name, items in specs]
     for arm in arms:
         arm.run(args.warmup, timed=False)
     for _ in range(args.rounds):
