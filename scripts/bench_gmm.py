@@ -12,7 +12,7 @@ CPU without bfloat16 dot instructions its bf16 operands are widened to f32 first
 trainer's head does (kernels/host_dots.py; there that is the faster dense dot of the same
 values, so a grouped matmul is not flattered by a slow baseline).
 
-    python scripts/bench_gmm.py --quick                      # CPU, bf16 + f32, M=2048
+    python scripts/bench_gmm.py --quick                      # CPU, bf16 + f32, M=2048, G 8, 32
     python scripts/bench_gmm.py --backends blocked ragged_dot --out bench.json
     python scripts/bench_gmm.py --tpu-aot [--chips v5p ...]  # TPU compiler estimates (AOT)
     python scripts/bench_gmm.py --floor                      # memory-traffic floor per G
@@ -44,6 +44,10 @@ from moetext.kernels.host_dots import upcast_bf16_dots
 
 D, F = 2048, 768  # defaults of --d / --f: Qwen3-30B-A3B's model dim and expert hidden dim
 SKIP_BY_DEFAULT = ("reference", "pallas_tpu")  # float64 callback / interpret mode: not a speed
+GS, BUDGET_S = [8, 32, 64, 128], 20.0
+# --quick: minutes on a 2-core CPU (without it, ragged_dot's 64- and 128-expert points alone
+# take tens of minutes there)
+QUICK_GS, QUICK_BUDGET_S = [8, 32], 5.0
 
 
 def group_sizes(m: int, g: int, routing: str, seed: int = 0) -> np.ndarray:
@@ -71,13 +75,18 @@ def time_pair(fn, base, args, base_args, *, reps: int, budget_s: float) -> tuple
     """(ms, dense ms, ratio, reps): medians over alternating calls of fn and the baseline.
 
     Alternating and taking the median of per-pair ratios keeps the ratio honest on a shared,
-    loaded machine where absolute times drift by 2x within a minute. A slow fn gets fewer reps.
+    loaded machine where absolute times drift by 2x within a minute. A slow fn gets fewer reps:
+    as many as fit in budget_s after its first timed call, and none past that call when it
+    alone takes longer (ragged_dot at 128 experts on a 2-core CPU: ~27 s a call).
     """
     for f, a in ((fn, args), (base, base_args)):
         jax.block_until_ready(f(*a))  # compile
     first = _once(fn, args)
-    n = max(1, min(reps, int(budget_s / max(first, 1e-9))))
-    pairs = [(_once(base, base_args), _once(fn, args)) for _ in range(n)]
+    n = min(reps, int(budget_s / max(first, 1e-9)))
+    if n < 1:  # one call alone is over the budget: that call is the only sample
+        pairs, n = [(_once(base, base_args), first)], 1
+    else:
+        pairs = [(_once(base, base_args), _once(fn, args)) for _ in range(n)]
     dense = statistics.median(p[0] for p in pairs)
     ms = statistics.median(p[1] for p in pairs)
     ratio = statistics.median(p[1] / p[0] for p in pairs)
@@ -201,7 +210,9 @@ def parse_args(argv=None):
         "--backends", nargs="+", help="default: all registered but reference, pallas_tpu"
     )
     p.add_argument("--ms", nargs="+", type=int, default=[2048, 4096], help="row counts M")
-    p.add_argument("--gs", nargs="+", type=int, default=[8, 32, 64, 128], help="expert counts G")
+    p.add_argument(
+        "--gs", nargs="+", type=int, help=f"expert counts G (default {GS}; --quick {QUICK_GS})"
+    )
     p.add_argument(
         "--routings",
         nargs="+",
@@ -215,8 +226,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--budget-s",
         type=float,
-        default=20.0,
-        help="cap on timed seconds per point: slow backends get fewer reps",
+        help=f"cap on timed seconds per point: slow backends get fewer reps (default "
+        f"{BUDGET_S:g}; --quick {QUICK_BUDGET_S:g})",
     )
     p.add_argument(
         "--tm",
@@ -225,7 +236,11 @@ def parse_args(argv=None):
         default=[0],
         help="row tiles of the blocked backend to compare (0: its default choice)",
     )
-    p.add_argument("--quick", action="store_true", help="M=2048 only, 3 reps")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="the smallest M only, at most 3 reps, and the quick defaults of --gs, --budget-s",
+    )
     p.add_argument("--out", type=Path, help="write the rows as JSON here")
     p.add_argument(
         "--floor", action="store_true", help="memory-traffic floor per G (module docstring)"
@@ -266,9 +281,10 @@ def main(argv=None) -> int:
     if any(tm < 0 for tm in args.tm):
         print(f"--tm takes row tiles >= 0 (0: the default choice), got {args.tm}", file=sys.stderr)
         return 2
+    gs = args.gs or (QUICK_GS if args.quick else GS)
     if args.floor:
         for dtype in args.dtypes:
-            memory_floor(min(args.ms), args.gs, jnp.dtype(dtype), max(args.reps, 7), args.d, args.f)
+            memory_floor(min(args.ms), gs, jnp.dtype(dtype), max(args.reps, 7), args.d, args.f)
         return 0
     available = gmm_lib.available_backends()
     backends = args.backends or [b for b in available if b not in SKIP_BY_DEFAULT]
@@ -277,6 +293,9 @@ def main(argv=None) -> int:
         print(f"unknown backends {unknown}; registered: {available}", file=sys.stderr)
         return 2
     ms, reps = ([min(args.ms)], min(args.reps, 3)) if args.quick else (args.ms, args.reps)
+    budget_s = args.budget_s
+    if budget_s is None:
+        budget_s = QUICK_BUDGET_S if args.quick else BUDGET_S
     print(
         f"jax {jax.__version__} on {jax.devices()[0].device_kind}; D={args.d} F={args.f}; "
         f"ratio = backend time / dense matmul time of equal FLOPs",
@@ -290,7 +309,7 @@ def main(argv=None) -> int:
     rows = []
     for dtype in args.dtypes:
         for m in ms:
-            for g in args.gs:
+            for g in gs:
                 for routing in args.routings:
                     rows += bench_shape(
                         m,
@@ -299,7 +318,7 @@ def main(argv=None) -> int:
                         jnp.dtype(dtype),
                         backends,
                         reps,
-                        args.budget_s,
+                        budget_s,
                         rng,
                         args.d,
                         args.f,
