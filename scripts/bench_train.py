@@ -98,6 +98,7 @@ class Arm:
     state: Any
     batches: list[dict[str, jax.Array]]
     compile_s: float
+    env: dict[str, str]  # set while this arm compiled (env:VAR=VALUE items)
     times: list[float] = dataclasses.field(default_factory=list)
     cpu_times: list[float] = dataclasses.field(default_factory=list)
     sys_times: list[float] = dataclasses.field(default_factory=list)
@@ -119,9 +120,8 @@ class Arm:
         self.loss = float(m["loss"])
 
 
-def prepare(name: str, path: str, items: list[str]) -> Arm:
-    """Arm `name`: the config with `items` (overrides and env:VAR=VALUE), compiled."""
-    env, overrides = split_env(items)
+def prepare(name: str, path: str, overrides: list[str], env: dict[str, str]) -> Arm:
+    """Arm `name`: the config with `overrides`, compiled with `env` set (`environment`)."""
     cfg = config_lib.load(path, [*overrides, "checkpoint.enabled=false"])
     b = build(cfg)
     data = data_lib.build(cfg.data, cfg.model.vocab_size)
@@ -132,7 +132,7 @@ def prepare(name: str, path: str, items: list[str]) -> Arm:
     t0 = time.perf_counter()
     with environment(env):
         compiled = lower_checked(b, step, b.state, batches[0]).compile()
-    return Arm(name, items, cfg, compiled, b.state, batches, time.perf_counter() - t0)
+    return Arm(name, overrides, cfg, compiled, b.state, batches, time.perf_counter() - t0, env)
 
 
 def report(arm: Arm, path: str, peak: peak_lib.Peak) -> dict[str, Any]:
@@ -145,6 +145,7 @@ def report(arm: Arm, path: str, peak: peak_lib.Peak) -> dict[str, Any]:
         "arm": arm.name,
         "config": path,
         "overrides": arm.overrides,
+        "env": arm.env,
         "backend": cfg.kernels.gmm_backend,
         "loss_chunk_size": cfg.model.loss_chunk_size,
         "devices": n,
@@ -200,9 +201,9 @@ def main() -> None:
     specs += [(name, [*args.overrides, *extra]) for name, *extra in args.arm]
     if args.maxtext:
         specs.append(("maxtext", [*args.overrides, *MAXTEXT]))
-    for _, items in specs:
-        split_env(items)  # a malformed env item fails before anything compiles
-    arms = [prepare(name, args.config, items) for name, items in specs]
+    # Every arm's items parsed first: a malformed env item fails before anything compiles.
+    parsed = [(name, split_env(items)) for name, items in specs]
+    arms = [prepare(name, args.config, overrides, env) for name, (env, overrides) in parsed]
     for arm in arms:
         arm.run(args.warmup, timed=False)
     for _ in range(args.rounds):

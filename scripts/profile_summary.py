@@ -26,6 +26,7 @@ instead: read those in TensorBoard or Perfetto (docs/performance.md, "Profiling"
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import gzip
 import json
@@ -93,9 +94,10 @@ def summarize(events: list[dict[str, Any]], program: str) -> dict[str, Any]:
         if name.startswith("end: ") or CONTAINERS.match(name):
             continue
         dur = e.get("dur", 0.0)
-        later = [t for t in ends.get(name, ()) if t >= e["ts"]] if ASYNC.match(name) else []
-        if later:  # an Eigen dot runs on the pool after its event returns, until its end event
-            dur = max(dur, later[0] - e["ts"])
+        done = ends.get(name, []) if ASYNC.match(name) else []
+        i = bisect.bisect_left(done, e["ts"])  # its end event: the first at or after its start
+        if i < len(done):  # an Eigen dot runs on the pool after its event returns, until then
+            dur = max(dur, done[i] - e["ts"])
         by_name[name] += dur
         calls[name] += 1
     by_kind: collections.Counter[str] = collections.Counter()
