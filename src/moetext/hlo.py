@@ -179,16 +179,28 @@ def shape_of(shapes: Mapping[str, str], operand: str) -> str:
     return shape
 
 
-def module_defs(lines: list[str]) -> list[dict[str, str]]:
-    """Per module of the text (a step's text may join several), instruction name -> result
-    shape: names are unique within a module, not across modules."""
-    out: list[dict[str, str]] = []
+def module_of_lines(lines: list[str]) -> list[int]:
+    """The index of the module each line belongs to: a step's text may join several modules
+    (aot.hlo_text joins its programs), each opening with an `HloModule` line; lines before the
+    first such line, or a text without one, are module 0."""
+    out: list[int] = []
+    module = -1
     for line in lines:
-        if line.startswith("HloModule") or not out:
-            out.append({})
+        if line.startswith("HloModule") or module < 0:
+            module += 1
+        out.append(module)
+    return out
+
+
+def module_defs(lines: list[str]) -> list[dict[str, str]]:
+    """Per module of the text (`module_of_lines`), instruction name -> result shape: names are
+    unique within a module, not across modules."""
+    modules = module_of_lines(lines)
+    out: list[dict[str, str]] = [{} for _ in range(modules[-1] + 1 if modules else 1)]
+    for line, module in zip(lines, modules, strict=True):
         ins = parse_instr(line)
         if ins is not None:
-            out[-1][ins.name] = ins.shape
+            out[module][ins.name] = ins.shape
     return out
 
 
@@ -215,11 +227,9 @@ def custom_call_operands(text: str, name: str) -> dict[tuple[int, str], list[str
     (module index, instruction name) (a step's text may join several modules), its operands'
     result shapes with their layouts, in order: `S(1)` in a layout is VMEM, none is HBM."""
     lines = text.splitlines()
-    defs, module = module_defs(lines), -1
+    defs = module_defs(lines)
     out: dict[tuple[int, str], list[str]] = {}
-    for line in lines:
-        if line.startswith("HloModule") or module < 0:
-            module += 1
+    for line, module in zip(lines, module_of_lines(lines), strict=True):
         if name not in line or (ins := parse_instr(line)) is None or ins.op != "custom-call":
             continue
         out[(module, ins.name)] = [sh or "?" for sh in operand_shapes(ins.rest, defs[module])]
@@ -407,13 +417,9 @@ def collectives(
     out: dict[tuple[str, str], dict[str, float]] = defaultdict(
         lambda: {"count": 0, "bytes": 0.0, "sent": 0.0}
     )
-    # Per module, instruction name -> result shape, built on demand: names are unique within a
-    # module, and a step's text may hold several (aot.hlo_text joins its programs).
+    # Per module (`module_of_lines`), instruction name -> result shape, built on demand.
     defs: list[dict[str, str]] | None = None
-    module = -1  # index into module_defs: one per HloModule line (text without one: module 0)
-    for line, comp in zip(lines, comp_of_line, strict=True):
-        if line.startswith("HloModule") or module < 0:
-            module += 1
+    for line, comp, module in zip(lines, comp_of_line, module_of_lines(lines), strict=True):
         m = _OP_RE.search(line)
         if not m or "-done(" in line:
             continue

@@ -88,6 +88,44 @@ def test_sent_bytes_follow_the_ring_estimate_per_group_size():
     assert sent[("ragged-all-to-all", "f32")] == 32 * 128 * 4 * 1 / 2
     # XLA:TPU's fused reduce-scatter: 3/4 of its full-size input, as a reduce-scatter sends.
     assert sent[("all-reduce-scatter", "f32")] == 8 * 4 * 4 * 3 / 4
+
+
+def test_joined_modules_resolve_operands_in_their_own_module():
+    # aot.hlo_text joins a step's programs: an instruction name recurs across modules, and an
+    # operand resolves against its own module's definition (a text without an HloModule line
+    # is one module). Here %rows is 32 rows in the first module and 8 in the second.
+    text = """\
+  %rows = f32[32,128]{1,0} copy(f32[32,128]{1,0} %v)
+HloModule jit_gradient, num_partitions=2
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %rows = f32[32,128]{1,0} copy(f32[32,128]{1,0} %v)
+  %recv = f32[64,128]{1,0} broadcast(f32[] %zero), dimensions={}
+  %rag = f32[64,128]{1,0} ragged-all-to-all(%rows, %recv, %i), replica_groups={{0,1}}
+  %k = f32[4]{0} custom-call(%rows), custom_call_target="tpu_custom_call", name="moetext_k"
+}
+HloModule jit_update, num_partitions=2
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %rows = f32[8,128]{1,0} copy(f32[8,128]{1,0} %v)
+  %recv = f32[64,128]{1,0} broadcast(f32[] %zero), dimensions={}
+  %rag = f32[64,128]{1,0} ragged-all-to-all(%rows, %recv, %i), replica_groups={{0,1}}
+  %k = f32[4]{0} custom-call(%rows), custom_call_target="tpu_custom_call", name="moetext_k"
+}
+"""
+    lines = text.splitlines()
+    assert hlo.module_of_lines(lines) == [0] + [1] * 7 + [2] * 7
+    assert [d.get("rows") for d in hlo.module_defs(lines)] == [
+        "f32[32,128]{1,0}",
+        "f32[32,128]{1,0}",
+        "f32[8,128]{1,0}",
+    ]
+    assert hlo.module_of_lines([]) == [] and hlo.module_defs([]) == [{}]
+    sent = hlo.collectives(text)[("ragged-all-to-all", "f32")]["sent"]
+    assert sent == (32 + 8) * 128 * 4 / 2  # each sends its own %rows, half of them off-chip
+    assert hlo.custom_call_operands(text, "moetext_k") == {
+        (1, "k"): ["f32[32,128]{1,0}"],
+        (2, "k"): ["f32[8,128]{1,0}"],
+    }
+
     assert hlo.group_size("x replica_groups=mesh['a'=2,'b'=8,'c'=4] {'a','c'}, y", 64) == 8
 
 
