@@ -196,7 +196,7 @@ def module_defs(lines: list[str]) -> list[dict[str, str]]:
     """Per module of the text (`module_of_lines`), instruction name -> result shape: names are
     unique within a module, not across modules."""
     modules = module_of_lines(lines)
-    out: list[dict[str, str]] = [{} for _ in range(modules[-1] + 1 if modules else 1)]
+    out: list[dict[str, str]] = [{} for _ in range(max(modules, default=0) + 1)]
     for line, module in zip(lines, modules, strict=True):
         ins = parse_instr(line)
         if ins is not None:

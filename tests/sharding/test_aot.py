@@ -88,12 +88,13 @@ def test_sent_bytes_follow_the_ring_estimate_per_group_size():
     assert sent[("ragged-all-to-all", "f32")] == 32 * 128 * 4 * 1 / 2
     # XLA:TPU's fused reduce-scatter: 3/4 of its full-size input, as a reduce-scatter sends.
     assert sent[("all-reduce-scatter", "f32")] == 8 * 4 * 4 * 3 / 4
+    assert hlo.group_size("x replica_groups=mesh['a'=2,'b'=8,'c'=4] {'a','c'}, y", 64) == 8
 
 
 def test_joined_modules_resolve_operands_in_their_own_module():
     # aot.hlo_text joins a step's programs: an instruction name recurs across modules, and an
-    # operand resolves against its own module's definition (a text without an HloModule line
-    # is one module). Here %rows is 32 rows in the first module and 8 in the second.
+    # operand resolves against its own module's definition (lines before the first HloModule
+    # line are module 0). Here %rows is 32 rows in modules 0 and 1 and 8 in module 2.
     text = """\
   %rows = f32[32,128]{1,0} copy(f32[32,128]{1,0} %v)
 HloModule jit_gradient, num_partitions=2
@@ -125,8 +126,6 @@ ENTRY %main (a: f32[8]) -> f32[8] {
         (1, "k"): ["f32[32,128]{1,0}"],
         (2, "k"): ["f32[8,128]{1,0}"],
     }
-
-    assert hlo.group_size("x replica_groups=mesh['a'=2,'b'=8,'c'=4] {'a','c'}, y", 64) == 8
 
 
 def test_collectives_are_attributed_to_the_mesh_axes_their_groups_span():
