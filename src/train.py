@@ -16,4 +16,4 @@ except ValueError as e:  # a bad MOETEXT_REUSE_HOST_MEMORY: one line, as the CLI
 from moetext.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(compilation_cache=True))

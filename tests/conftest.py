@@ -15,6 +15,14 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ.setdefault(
     "MOETEXT_DATA_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache/moetext_data")
 )
+# The trainer and generate subprocesses (python -m train, python -m moetext.generate) keep their
+# compiled programs here (train.compilation_cache_dir "auto"; moetext/compilation_cache.py),
+# per checkout like the corpus: a program the suite compiled once (the tiny config's step, again
+# in every resumed or repeated run) is loaded after that, not compiled again.
+os.environ.setdefault(
+    "MOETEXT_COMPILATION_CACHE_DIR",
+    str(Path(__file__).resolve().parents[1] / ".pytest_cache/moetext_jax_cache"),
+)
 
 import moetext  # noqa: E402,F401  (quiets libtpu before jax initialises)
 import moetext.models  # noqa: E402,F401  (the model families register their config sections)

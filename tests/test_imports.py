@@ -20,6 +20,8 @@ LAYERS: dict[str, set[str]] = {
     "hlo": set(),
     # glibc malloc settings for the process, applied by the trainer's entry point.
     "host_memory": set(),
+    # JAX's persistent compilation cache for the CLIs (where, per host CPU; hits counted).
+    "compilation_cache": {"errors", "paths"},
     "config": {"errors", "paths"},
     "kernels": {"errors", "paths", "config"},
     "sharding": {"errors", "paths", "config"},
@@ -50,6 +52,7 @@ LAYERS: dict[str, set[str]] = {
         "checkpoint",
         "models",
         "program",
+        "compilation_cache",
     },
     # data: the compiled step takes the batch structure the data kind yields (batch_keys).
     "aot": {
@@ -76,9 +79,19 @@ LAYERS: dict[str, set[str]] = {
         "data",
         "checkpoint",
         "program",
+        "compilation_cache",
     },
     "plot": {"errors", "paths"},
-    "cli": {"errors", "paths", "config", "sharding", "checkpoint", "models", "train"},
+    "cli": {
+        "errors",
+        "paths",
+        "config",
+        "sharding",
+        "checkpoint",
+        "models",
+        "train",
+        "compilation_cache",
+    },
 }
 
 

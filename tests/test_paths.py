@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from moetext import cli, config, plot, train
+from moetext.compilation_cache import host_key
 from moetext.convert import __main__ as convert_cli
 from moetext.convert.orbax_to_hf import orbax_to_hf
 from moetext.data import prepare as prepare_cli
@@ -95,6 +96,7 @@ def test_train_resolves_every_path_key(root, form):
     f = FORMS[form]
     out_dir = f"out-{form.split()[0].strip('/~') or 'home'}"
     run = f(root, f"{out_dir}/run", True)
+    cache = f(root, f"{out_dir}/cache", True)
     _ok(
         _run(
             root,
@@ -103,6 +105,7 @@ def test_train_resolves_every_path_key(root, form):
             f"data.data_dir={f(root, 'data', True)}",
             f"data.tokenizer={f(root, TOKENIZER, False)}",
             f"checkpoint.load_params_from={f(root, 'run/checkpoints/2', True)}",
+            f"train.compilation_cache_dir={cache}",
         )
     )
     real = root / "shared" / out_dir / "run"
@@ -115,6 +118,10 @@ def test_train_resolves_every_path_key(root, form):
     assert os.path.isfile(saved["data"]["tokenizer"])
     assert os.path.isabs(saved["data"]["data_dir"])
     assert os.path.isdir(saved["checkpoint"]["load_params_from"])
+    # The compiled step, in the host CPU's subfolder of the cache folder as typed.
+    typed = os.path.join(root / "elsewhere", cache.replace("~", home, 1))
+    assert saved["train"]["compilation_cache_dir"] == os.path.abspath(typed)
+    assert list((root / "shared" / out_dir / "cache" / host_key()).glob("jit_train_step_*"))
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -129,6 +136,7 @@ def test_generate_resolves_config_checkpoint_and_tokenizer(root, form):
     )
     _ok(out)
     assert len(out.stdout.splitlines()) == 1, out.stdout
+    assert "compilation cache " in out.stderr  # the process entry turns it on
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -174,12 +182,14 @@ CKPT = ["--checkpoint", "{S}/run/checkpoints/2"]
 P = ["--input", "{S}/corpus", "--name", "n"]
 NO, FILE, UNDER_FILE = "{S}/no", "{S}/run/config.yml", "{S}/run/config.yml/x"
 LP = "checkpoint.load_params_from"
+CC = "train.compilation_cache_dir"
 BAD = [
     (cli.main, [*T, f"train.run_dir={UNDER_FILE}"], "train.run_dir", UNDER_FILE),
     (cli.main, [*T, f"{LP}={NO}"], LP, NO),
     (cli.main, [*T, f"{LP}={FILE}"], LP, FILE),
     (cli.main, [*T, f"data.data_dir={NO}"], "data.data_dir", NO),
     (cli.main, [*T, f"data.tokenizer={NO}"], "data.tokenizer", NO),
+    (cli.main, [*T, f"{CC}={UNDER_FILE}"], CC, UNDER_FILE),
     (generate_cli.main, [*G, "--checkpoint", NO], "--checkpoint", NO),
     (generate_cli.main, [*G, "--checkpoint", FILE], "--checkpoint", FILE),
     (generate_cli.main, [*G, *CKPT, "--tokenizer", NO], "--tokenizer", NO),

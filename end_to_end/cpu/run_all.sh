@@ -38,7 +38,10 @@ trap cleanup EXIT
 mkdir -p "$WORK/tmp" "$WORK/cache"
 # Everything the tools write goes under $WORK: the corpus (data.data_dir is also passed
 # explicitly), tempfile's scratch (corpus preparation, conversion staging), any XDG cache.
+# The CLIs' compilation cache ("auto") lands in $XDG_CACHE_HOME too: the resumed runs load
+# the programs the first runs compiled.
 export TMPDIR="$WORK/tmp" XDG_CACHE_HOME="$WORK/cache" MOETEXT_DATA_DIR="$WORK/data"
+unset MOETEXT_COMPILATION_CACHE_DIR
 export PYTHONDONTWRITEBYTECODE=1 JAX_PLATFORMS=cpu
 unset XLA_FLAGS  # one CPU device, as the tiny config expects; a forced count changes the mesh
 

@@ -19,7 +19,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, compilation_cache: bool = False) -> int:
+    """The trainer; `compilation_cache`: point JAX's persistent cache at
+    train.compilation_cache_dir first (the process entry point, src/train.py, does; an
+    in-process caller keeps JAX's settings)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     # models before the config: each model family registers its config sections on import.
     from moetext import config, models  # noqa: F401
@@ -38,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
 
     # Before anything touches devices: afterwards every process sees the global device set.
     initialize_distributed(cfg.distributed)
+    cache_line = None
+    if compilation_cache:  # before anything is compiled
+        from moetext import compilation_cache as cc
+
+        cache_line = cc.enable(cfg.train.compilation_cache_dir)[1]
 
     if jax.process_index() == 0:
         print(
@@ -45,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
             f"device(s); run dir {cfg.train.run_dir}",
             flush=True,
         )
+        if cache_line:
+            print(cache_line, flush=True)
     from moetext.checkpoint import CheckpointError, CheckpointWriteError
     from moetext.train.nonfinite import NonFiniteError
 

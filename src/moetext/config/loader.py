@@ -52,17 +52,23 @@ PATH_KEYS = (
     "data.tokenizer",
     "checkpoint.load_params_from",
     "sharding.preset",
+    "train.compilation_cache_dir",
 )
 
 
 def resolve_paths(cfg: Config) -> Config:
     """`cfg` with the values of PATH_KEYS resolved; sharding.preset only when it names a file
-    (a path with a directory part or a .yml/.yaml name), not a shipped preset."""
+    (a path with a directory part or a .yml/.yaml name), not a shipped preset;
+    train.compilation_cache_dir unless "auto"."""
     sections: dict[str, Any] = {}
     for key in PATH_KEYS:
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
-        if value is None or (key == "sharding.preset" and not _names_file(value)):
+        if (
+            value is None
+            or (key == "sharding.preset" and not _names_file(value))
+            or (key == "train.compilation_cache_dir" and value == "auto")
+        ):
             continue
         resolved = paths.resolve(value)
         if resolved != value:

@@ -372,6 +372,11 @@ class TrainConfig:
     one: the same math with less peak memory on TPU, where one program holds a second copy of
     the layer scan's stacked gradient (Qwen3-30B-A3B on v5p:4x4x2: 18.51 vs 20.63 GiB per
     chip; docs/performance.md)."""
+    compilation_cache_dir: str | None = resume_safe("auto")
+    """Where `python -m train` and `python -m moetext.generate` keep compiled programs for the
+    next run of the same programs (JAX's persistent compilation cache, in a subfolder per host
+    CPU; moetext/compilation_cache.py). "auto": $MOETEXT_COMPILATION_CACHE_DIR, else
+    $XDG_CACHE_HOME/moetext/jax_cache, else ~/.cache/moetext/jax_cache; a path; null: off."""
 
     def __post_init__(self) -> None:
         _positive("train", log_every=self.log_every, grad_accum_steps=self.grad_accum_steps)

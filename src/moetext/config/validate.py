@@ -58,6 +58,8 @@ def validate_paths(cfg: Config) -> None:
     the key and the path); run by `python -m train` before anything is created. The values
     are absolute already (`load` resolved them)."""
     paths.writable_dir(cfg.train.run_dir, "train.run_dir")
+    if cfg.train.compilation_cache_dir not in (None, "auto"):
+        paths.writable_dir(cfg.train.compilation_cache_dir, "train.compilation_cache_dir")
     d = cfg.data
     if d.kind == "tfds":
         if d.data_dir is not None and d.name == "python_docs":  # prepared there on first use

@@ -55,7 +55,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, compilation_cache: bool = False) -> int:
+    """`compilation_cache`: point JAX's persistent cache at the config's
+    train.compilation_cache_dir before decoding compiles (the process entry point below
+    does; an in-process caller keeps JAX's settings)."""
     args = _parser().parse_intermixed_args(argv)
     # orbax reports routine facts (no per-process OCDBT subdirs to merge, no step metadata
     # in a state/ item) as absl warnings; this command's own errors are one `error:` line.
@@ -75,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         cfg, model, tok = load(args.config, checkpoint, args.overrides, tokenizer)
         print(f"loaded {args.checkpoint} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        if compilation_cache:  # before prefill and decode compile
+            from moetext import compilation_cache as cc
+
+            print(cc.enable(cfg.train.compilation_cache_dir)[1], file=sys.stderr)
         plan = make_plan(cfg)
         run = dict(
             max_new_tokens=args.max_new_tokens,
@@ -174,4 +181,4 @@ def _session(args: Any, model: Any, tok: Any, template: Any, stop: Any, run: Any
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(compilation_cache=True))

@@ -18,9 +18,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from moetext import compilation_cache, models
 from moetext import config as config_lib
 from moetext import data as data_lib
-from moetext import models
 from moetext.checkpoint import Checkpointer
 from moetext.config import Config
 from moetext.program import (
@@ -153,12 +153,13 @@ def _train(p: _Parts, start: int) -> dict[str, Any]:
     batch, batch_hash = p.next_batch() if start < steps else (None, None)
     if batch is not None:
         # Compile before the clock starts so step times measure steps, not compilation.
-        t0 = time.perf_counter()
+        t0, hits0 = time.perf_counter(), compilation_cache.hits()
         train_step = lower_checked(p.b, train_step, p.state, batch).compile()
         compile_s = time.perf_counter() - t0
-        p.log.write(
-            {"step": start, "event": "compiled", "compile_s": compile_s, **p.speed.peak.fields()}
-        )
+        row = {"step": start, "event": "compiled", "compile_s": compile_s}
+        if hits0 is not None:  # the persistent cache is on: programs it served, not compiled
+            row["compile_cache_hits"] = (compilation_cache.hits() or 0) - hits0
+        p.log.write({**row, **p.speed.peak.fields()})
         p.trace.compile(p.state, batch, start + 1, steps)
     p.speed.restart()
     for step in range(start, steps):
