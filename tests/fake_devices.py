@@ -7,6 +7,8 @@ their tests, linted and type-checked like the rest. `running` is for a process t
 while it runs (signals, limits), which must not outlive the test.
 """
 
+import fcntl
+import hashlib
 import json
 import os
 import subprocess
@@ -47,6 +49,29 @@ def run_worker(module: str, *args: str, timeout_s: float, devices: int = 8) -> d
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
     result: dict[str, Any] = json.loads(line[len("RESULT ") :])
     return result
+
+
+def run_worker_once(
+    tmp_path_factory: Any, module: str, *args: str, timeout_s: float, devices: int = 8
+) -> dict[str, Any]:
+    """`run_worker`, once per test session. A module fixture runs once in each pytest-xdist
+    worker that gets one of its module's tests, so a multi-minute worker could run twice at
+    once on a 2-core host, each at half speed. Under xdist the first to ask runs it and leaves
+    its result in the session's shared temp folder; the others wait on a lock and read it."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return run_worker(module, *args, timeout_s=timeout_s, devices=devices)
+    shared = Path(tmp_path_factory.getbasetemp()).parent / "worker_results"  # this session's
+    shared.mkdir(exist_ok=True)
+    key = hashlib.sha256(json.dumps([module, args, devices]).encode()).hexdigest()[:12]
+    path = shared / f"{module}-{key}.json"
+    with open(shared / f"{module}-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if path.exists():
+            result: dict[str, Any] = json.loads(path.read_text())
+            return result
+        result = run_worker(module, *args, timeout_s=timeout_s, devices=devices)
+        path.write_text(json.dumps(result))
+        return result
 
 
 @contextmanager

@@ -18,12 +18,12 @@ import re
 import numpy as np
 import pytest
 
-from fake_devices import run_worker
+from fake_devices import run_worker_once
 
 
 @pytest.fixture(scope="module")
-def result():
-    return run_worker("tests.kernels.qag_worker", timeout_s=600)
+def result(tmp_path_factory):
+    return run_worker_once(tmp_path_factory, "tests.kernels.qag_worker", timeout_s=600)
 
 
 def test_quantized_all_gather_is_bitwise_the_full_quantization(result):

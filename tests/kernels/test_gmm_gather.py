@@ -14,13 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fake_devices import run_worker
+from fake_devices import run_worker_once
 from moetext.kernels.gmm import GmmCall, WeightGather, gather
 
 
 @pytest.fixture(scope="module")
-def result():
-    return run_worker("tests.kernels.gather_worker", timeout_s=900)
+def result(tmp_path_factory):
+    return run_worker_once(tmp_path_factory, "tests.kernels.gather_worker", timeout_s=900)
 
 
 def test_tiled_reduce_scatter_runs_in_several_tiles(result):

@@ -15,14 +15,14 @@ import re
 
 import pytest
 
-from fake_devices import run_worker
+from fake_devices import run_worker_once
 
 TIMEOUT_S = 600
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_worker("tests.models.ep_worker", timeout_s=TIMEOUT_S)
+def results(tmp_path_factory):
+    return run_worker_once(tmp_path_factory, "tests.models.ep_worker", timeout_s=TIMEOUT_S)
 
 
 # f32 compute. EP moves rows between shards and reorders them inside each group, and the weight

@@ -6,14 +6,16 @@ The device count is fixed when jax initialises, so the work runs in a fresh inte
 
 import pytest
 
-from fake_devices import run_worker
+from fake_devices import run_worker_once
 
 TIMEOUT_S = 1500  # ~80 s of CPU; wall time grows with the host's load
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_worker("tests.sharding.equivalence_worker", timeout_s=TIMEOUT_S)
+def results(tmp_path_factory):
+    return run_worker_once(
+        tmp_path_factory, "tests.sharding.equivalence_worker", timeout_s=TIMEOUT_S
+    )
 
 
 def test_meshes_are_what_the_settings_ask(results):

@@ -4,14 +4,14 @@ the whole global batch's expert counts, so every replica takes the same step."""
 
 import pytest
 
-from fake_devices import run_worker
+from fake_devices import run_worker_once
 
 TIMEOUT_S = 1200  # three 8-device compiles of a 1-layer model; wall time grows with host load
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_worker("tests.sharding.routing_worker", timeout_s=TIMEOUT_S)
+def results(tmp_path_factory):
+    return run_worker_once(tmp_path_factory, "tests.sharding.routing_worker", timeout_s=TIMEOUT_S)
 
 
 @pytest.mark.parametrize("name", ["fsdp", "fsdp_ep"])
