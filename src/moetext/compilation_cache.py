@@ -17,9 +17,10 @@ What is cached, and what is not:
   or a bucket reuse each other's entries only when their CPUs match.
 - A run with `--xla_dump_to` in XLA_FLAGS gets no cache: JAX leaves the dump flags out of its
   key, so a program loaded from the cache would write no dump.
-- The folder is capped at `MAX_BYTES` (least recently used entries go first) unless
+- A local folder is capped at `MAX_BYTES` (least recently used entries go first) unless
   JAX_COMPILATION_CACHE_MAX_SIZE sets another cap; with a cap JAX also locks the folder while it
-  reads or writes an entry, so runs on one machine can share it.
+  reads or writes an entry, so runs on one machine can share it. A bucket (gs://...) keeps
+  JAX's default: no cap and no lock.
 
 A cached program is the same executable the compiler produced: results are bit for bit those of
 a fresh compile (tests/test_compilation_cache.py). An entry cut short (a process killed while
@@ -111,7 +112,11 @@ def enable(setting: str | None) -> tuple[str | None, str]:
     _set("jax_enable_compilation_cache", folder is not None)
     if folder is not None:
         _set("jax_compilation_cache_dir", folder)
-        if jax.config.jax_compilation_cache_max_size == -1:  # JAX's default: no cap, no lock
+        # JAX's default is no cap and no lock. A local folder gets both; a bucket keeps JAX's
+        # default (its lock would be a file that a killed process leaves behind, and only
+        # process 0 of a pod writes).
+        local = not paths.is_uri(folder)
+        if local and jax.config.jax_compilation_cache_max_size == -1:
             _set("jax_compilation_cache_max_size", MAX_BYTES)
         _listen()
     # JAX decides whether to use its cache at the first compile of the process and keeps

@@ -62,6 +62,7 @@ RESUME_SAFE = {
             "grad_accum_steps",
             "routing_trace",
             "log_batch_hash",
+            "compilation_cache_dir",
         )
     ),
     *(
