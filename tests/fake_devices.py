@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -51,13 +53,18 @@ def run_worker(module: str, *args: str, timeout_s: float, devices: int = 8) -> d
     return result
 
 
+FAILED = "__failed__"  # run_worker_once: the key a failed worker's result holds
+
+
 def run_worker_once(
     tmp_path_factory: Any, module: str, *args: str, timeout_s: float, devices: int = 8
 ) -> dict[str, Any]:
     """`run_worker`, once per test session. A module fixture runs once in each pytest-xdist
     worker that gets one of its module's tests, so a multi-minute worker could run twice at
     once on a 2-core host, each at half speed. Under xdist the first to ask runs it and leaves
-    its result in the session's shared temp folder; the others wait on a lock and read it."""
+    its result in the session's shared temp folder; the others wait on a lock and read it. A
+    worker that failed leaves its failure there instead: the others fail with it rather than
+    run it again, one after another."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return run_worker(module, *args, timeout_s=timeout_s, devices=devices)
     shared = Path(tmp_path_factory.getbasetemp()).parent / "worker_results"  # this session's
@@ -68,8 +75,14 @@ def run_worker_once(
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if path.exists():
             result: dict[str, Any] = json.loads(path.read_text())
+            if FAILED in result:
+                pytest.fail(f"{module} failed in another xdist worker:\n{result[FAILED]}")
             return result
-        result = run_worker(module, *args, timeout_s=timeout_s, devices=devices)
+        try:
+            result = run_worker(module, *args, timeout_s=timeout_s, devices=devices)
+        except (AssertionError, subprocess.TimeoutExpired) as e:
+            path.write_text(json.dumps({FAILED: str(e)[-8000:]}))
+            raise
         path.write_text(json.dumps(result))
         return result
 

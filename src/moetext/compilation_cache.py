@@ -15,11 +15,12 @@ What is cached, and what is not:
   the host CPU, and an XLA:CPU entry is native code for the CPU that compiled it. So entries go
   under a subfolder named for this host's CPU (`host_key`): machines sharing a home directory
   or a bucket reuse each other's entries only when their CPUs match.
-- A run with `--xla_dump_to` in XLA_FLAGS gets no cache: JAX leaves the dump flags out of its
-  key, so a program loaded from the cache would write no dump.
-- A local folder is capped at `MAX_BYTES` (least recently used entries go first) unless
-  JAX_COMPILATION_CACHE_MAX_SIZE sets another cap; with a cap JAX also locks the folder while it
-  reads or writes an entry, so runs on one machine can share it. A bucket (gs://...) keeps
+- A run with `--xla_dump_to` in XLA_FLAGS or LIBTPU_INIT_ARGS gets no cache: JAX leaves the
+  dump flags out of its key, so a program loaded from the cache would write no dump.
+- Each host's local subfolder is capped at `MAX_BYTES` (least recently used entries go first)
+  unless JAX_COMPILATION_CACHE_MAX_SIZE is set (-1: no cap); with a cap JAX also locks the
+  folder while it reads or writes an entry, so runs on one machine can share it (a read that
+  waits over 10 s for the lock compiles instead, with a warning). A bucket (gs://...) keeps
   JAX's default: no cap and no lock.
 
 A cached program is the same executable the compiler produced: results are bit for bit those of
@@ -55,25 +56,60 @@ def default_dir() -> str:
     return paths.resolve(os.path.join(cache, "moetext", "jax_cache"))
 
 
+# /proc/cpuinfo fields that name the CPU and its features (x86: vendor, model, flags; Arm:
+# implementer, part, features).
+CPU_FIELDS = (
+    "vendor_id",
+    "model name",
+    "flags",
+    "Features",
+    "CPU implementer",
+    "CPU architecture",
+    "CPU variant",
+    "CPU part",
+)
+# Fields that change between boots or processors of one CPU model, left out when none of
+# CPU_FIELDS is there and the whole block is hashed.
+CHANGING = ("processor", "cpu MHz", "BogoMIPS", "bogomips", "core id", "apicid", "initial apicid")
+
+
 def host_key(cpuinfo: str | None = None) -> str:
     """What XLA:CPU compiles for, as a folder name: the architecture and a hash of the CPU's
-    vendor, model and feature flags, from the first processor of `cpuinfo` (default: Linux's
-    /proc/cpuinfo; elsewhere the platform's processor string)."""
-    described = platform.processor()
+    model and features, from the first processor of `cpuinfo` (default: Linux's /proc/cpuinfo,
+    else macOS's sysctl CPU brand and features, else the platform's processor string)."""
     if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            pass
-    if cpuinfo is not None:
-        wanted = ("vendor_id", "model name", "flags", "Features")
-        first = cpuinfo.split("\n\n", 1)[0]
+        cpuinfo = _read_cpuinfo()
+    if cpuinfo is None:
+        described = _sysctl_cpu() or platform.processor()
+    else:
+        first = [ln for ln in cpuinfo.split("\n\n", 1)[0].splitlines() if ln.strip()]
+        wanted = [ln for ln in first if ln.partition(":")[0].strip() in CPU_FIELDS]
         described = "\n".join(
-            line for line in first.splitlines() if line.partition(":")[0].strip() in wanted
+            wanted or [ln for ln in first if ln.partition(":")[0].strip() not in CHANGING]
         )
     digest = hashlib.sha256(described.encode()).hexdigest()[:16]
     return f"{platform.machine() or 'unknown'}-{digest}"
+
+
+def _read_cpuinfo() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _sysctl_cpu() -> str | None:
+    """macOS: the CPU's brand string and feature lists (Apple silicon reports its model in
+    the brand)."""
+    import subprocess
+
+    keys = ["machdep.cpu.brand_string", "machdep.cpu.features", "machdep.cpu.leaf7_features"]
+    try:
+        out = subprocess.run(["sysctl", *keys], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
 
 
 def resolve(setting: str | None) -> str | None:
@@ -89,8 +125,9 @@ def why_off(setting: str | None) -> str | None:
     """Why this process runs without the cache, or None when it can use it."""
     if setting is None:
         return "train.compilation_cache_dir is null"
-    if "--xla_dump_to" in os.environ.get("XLA_FLAGS", ""):
-        return "XLA_FLAGS has --xla_dump_to (a cached program writes no dump)"
+    for var in ("XLA_FLAGS", "LIBTPU_INIT_ARGS"):
+        if "--xla_dump_to" in os.environ.get(var, ""):
+            return f"{var} has --xla_dump_to (a cached program writes no dump)"
     return None
 
 
@@ -99,14 +136,13 @@ def enable(setting: str | None) -> tuple[str | None, str]:
     anything; returns the folder (None: off) and a line for the log. A folder that cannot be
     created leaves the cache off and says why (the run goes on; `python -m train` refused an
     unwritable explicit path earlier, in `moetext.config.validate_paths`)."""
-    import jax
     from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
     reason = why_off(setting)
     folder = None if reason else resolve(setting)
     if folder is not None and not paths.is_uri(folder):
         try:
-            os.makedirs(folder, exist_ok=True)
+            os.makedirs(folder, mode=0o700, exist_ok=True)  # yours: its programs run
         except OSError as e:
             folder, reason = None, f"cannot create {folder!r}: {e.strerror}"
     _set("jax_enable_compilation_cache", folder is not None)
@@ -115,8 +151,7 @@ def enable(setting: str | None) -> tuple[str | None, str]:
         # JAX's default is no cap and no lock. A local folder gets both; a bucket keeps JAX's
         # default (its lock would be a file that a killed process leaves behind, and only
         # process 0 of a pod writes).
-        local = not paths.is_uri(folder)
-        if local and jax.config.jax_compilation_cache_max_size == -1:
+        if not paths.is_uri(folder) and "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
             _set("jax_compilation_cache_max_size", MAX_BYTES)
         _listen()
     # JAX decides whether to use its cache at the first compile of the process and keeps
