@@ -49,11 +49,8 @@ _listening = False
 
 def default_dir() -> str:
     """$MOETEXT_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/moetext/jax_cache, else
-    ~/.cache/moetext/jax_cache (the corpus's default data dir sits beside it)."""
-    if os.environ.get(ENV):
-        return paths.resolve(os.environ[ENV])
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return paths.resolve(os.path.join(cache, "moetext", "jax_cache"))
+    ~/.cache/moetext/jax_cache (the corpus's default data dir sits beside it), absolute."""
+    return paths.resolve(paths.user_cache_dir(ENV, "jax_cache"))
 
 
 # /proc/cpuinfo fields that name the CPU and its features (x86: vendor, model, flags; Arm:

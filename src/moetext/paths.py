@@ -40,6 +40,15 @@ def resolve(path: str | os.PathLike[str]) -> str:
     return os.path.abspath(os.path.expanduser(text))
 
 
+def user_cache_dir(env: str, name: str) -> str:
+    """Where moetext keeps what it prepares or compiles for later runs: $ENV (`~` expanded),
+    else $XDG_CACHE_HOME/moetext/NAME, else ~/.cache/moetext/NAME."""
+    if os.environ.get(env):
+        return os.path.expanduser(os.environ[env])
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "moetext", name)
+
+
 def as_epath(path: str | os.PathLike[str]) -> epath.Path:
     """`resolve(path)` as an etils.epath.Path (local or remote)."""
     return epath.Path(resolve(path))

@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from moetext import paths
 from moetext.data import prepare as prepare_lib
 from moetext.data.chat_template import CHATML_TOKENS
 from moetext.data.train_tokenizer import VocabSizeError, train_from_split
@@ -49,10 +50,7 @@ _BLOCKS = (ast.If, ast.Try, ast.TryStar, ast.ExceptHandler, ast.With)
 
 def default_data_dir() -> str:
     """$MOETEXT_DATA_DIR, else $XDG_CACHE_HOME/moetext/data, else ~/.cache/moetext/data."""
-    if os.environ.get("MOETEXT_DATA_DIR"):
-        return os.path.expanduser(os.environ["MOETEXT_DATA_DIR"])
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "moetext", "data")
+    return paths.user_cache_dir("MOETEXT_DATA_DIR", "data")
 
 
 def python_version() -> str:
