@@ -3,6 +3,7 @@
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
@@ -29,3 +30,26 @@ import moetext.models  # noqa: E402,F401  (the model families register their con
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+
+
+def _in_process_compilation_cache() -> None:
+    """The same cache for programs compiled in the test processes themselves: many tests build
+    the same tiny model and compile its step again (a resumed run, a run beside its reference),
+    and a program compiled once in the session is loaded after that (bit-identical: what
+    test_compilation_cache asserts for the CLIs). libtpu's compile-only clients (the TPU AOT
+    tests) write entries they cannot read back (PjRtCompiler must be constructed with a
+    Client), so programs for them skip it."""
+    from jax._src import compilation_cache as jax_cache
+
+    from moetext import compilation_cache
+
+    used = jax_cache.is_cache_used
+
+    def cpu_only(backend: Any) -> bool:
+        return backend.platform == "cpu" and used(backend)
+
+    jax_cache.is_cache_used = cpu_only
+    compilation_cache.enable(compilation_cache.AUTO)
+
+
+_in_process_compilation_cache()
