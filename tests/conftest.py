@@ -38,7 +38,7 @@ def _in_process_compilation_cache() -> None:
     and a program compiled once in the session is loaded after that (bit-identical: what
     test_compilation_cache asserts for the CLIs). libtpu's compile-only clients (the TPU AOT
     tests) write entries they cannot read back (PjRtCompiler must be constructed with a
-    Client), so programs for them skip it."""
+    Client), so only CPU programs use it."""
     from jax._src import compilation_cache as jax_cache
 
     from moetext import compilation_cache
