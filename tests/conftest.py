@@ -25,6 +25,20 @@ os.environ.setdefault(
     str(Path(__file__).resolve().parents[1] / ".pytest_cache/moetext_jax_cache"),
 )
 
+# XLA:CPU's LLVM backend at -O0 for what the suite compiles, in its own processes and in every
+# subprocess that inherits this environment (fake_devices.xla_flags keeps it where a test sets
+# a device count). The suite's programs are small (tiny configs, a few steps each), so it spends
+# far more time compiling them than running them, and -O0 compiles them faster (tests/train:
+# 473 -> 402 s; docs/testing.md). It changes no HLO: the XLA passes, the sharding and the TPU
+# AOT programs are the same (a TPU compile's optimised HLO is byte-identical). Only the CPU
+# machine code changes, and with it float32 results in the last bits against a user's default
+# build; end_to_end/cpu/run_all.sh unsets XLA_FLAGS and runs the README's path at the default.
+# A level already in XLA_FLAGS wins.
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = " ".join(
+        [*os.environ.get("XLA_FLAGS", "").split(), "--xla_backend_optimization_level=0"]
+    )
+
 import moetext  # noqa: E402,F401  (quiets libtpu before jax initialises)
 import moetext.models  # noqa: E402,F401  (the model families register their config sections)
 

@@ -23,11 +23,21 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+DEVICE_COUNT = "--xla_force_host_platform_device_count"
+
+
+def xla_flags(devices: int | None = None) -> str:
+    """This process's XLA_FLAGS (with the suite's codegen level, tests/conftest.py) for a
+    subprocess on `devices` fake CPU devices, or on the host's one (None)."""
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT)]
+    return " ".join(kept if devices is None else [*kept, f"{DEVICE_COUNT}={devices}"])
+
+
 def worker_env(devices: int) -> dict[str, str]:
     """This environment on `devices` fake CPU devices, outside any distributed run."""
     env = dict(
         os.environ,
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=xla_flags(devices),
         JAX_PLATFORMS="cpu",
         # tests/ too: workers import this module's helpers as `fake_devices`, as tests do.
         PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO / "tests")]),

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from fake_devices import xla_flags
 from moetext import compilation_cache as cc
 from moetext import config
 from moetext.errors import ConfigError
@@ -215,7 +216,7 @@ def test_a_second_run_loads_its_programs_and_computes_the_same_bits(tmp_path):
     off = _train(
         tmp_path / "c",
         f"train.compilation_cache_dir={cache}",
-        env={"XLA_FLAGS": f"--xla_dump_to={dump}"},
+        env={"XLA_FLAGS": f"{xla_flags()} --xla_dump_to={dump}"},
     )
     assert "compilation cache off: XLA_FLAGS has --xla_dump_to" in off
     assert list(dump.glob("*train_step_gradient*"))

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fake_devices import xla_flags
 from moetext.convert.hf_to_orbax import hf_to_orbax
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,7 +78,7 @@ def test_converted_checkpoint_through_the_cli_and_a_perturbed_reference_fails(tm
     def cli(*extra: str, devices: int = 1) -> subprocess.CompletedProcess[str]:
         cmd = [sys.executable, str(SCRIPT), "compare", "--checkpoint", str(tmp_path / "ckpt")]
         cmd += ["--reference", str(ref), *extra]
-        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+        env = {**os.environ, "XLA_FLAGS": xla_flags(devices)}
         return subprocess.run(
             cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env
         )

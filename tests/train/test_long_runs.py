@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fake_devices import running
+from fake_devices import running, xla_flags
 from moetext import config, program, train
 from moetext.train import rundir
 from moetext.train.nonfinite import NonFiniteError
@@ -116,7 +116,7 @@ def test_ctrl_c_on_one_of_two_processes_stops_both_at_the_same_step(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**_env(), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**_env(), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags()}
     for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(key, None)
     run = tmp_path / "run"
