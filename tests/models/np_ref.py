@@ -96,6 +96,50 @@ def moe(x_TD, w_router, w_gate, w_up, w_down, k, norm_topk_prob, keep_TK=None):
     return out
 
 
+def moe_sin_loss_grads(x_TD, w_router, w_gate, w_up, w_down, k, lb_coef, z_coef):
+    """Gradients of sum(sin(moe(x))) + lb_coef * load_balance + z_coef * z_loss (top-k weights
+    renormalised, nothing dropped) with respect to x and each weight, the backward written out
+    by hand: the top-k choice is fixed by the forward and the load-balance fractions are counts,
+    so neither carries a gradient."""
+    x, wr, wg, wu, wd = (f64(a) for a in (x_TD, w_router, w_gate, w_up, w_down))
+    t, e = x.shape[0], wr.shape[1]
+    logits = x @ wr
+    w, ids, probs = route(logits, k, True)
+    picked = np.take_along_axis(probs, ids, axis=-1)
+    y = moe(x, wr, wg, wu, wd, k, True)
+    dy = np.cos(y)
+    g = {"x": np.zeros_like(x), "router": np.zeros_like(wr)}
+    g.update(w_gate=np.zeros_like(wg), w_up=np.zeros_like(wu), w_down=np.zeros_like(wd))
+    dprobs = np.zeros_like(probs)
+    for i in range(t):
+        dw = np.zeros(k)
+        for j in range(k):
+            ex = ids[i, j]
+            a, b = x[i] @ wg[ex], x[i] @ wu[ex]
+            sig = 1.0 / (1.0 + np.exp(-a))
+            h = a * sig * b
+            dw[j] = dy[i] @ (h @ wd[ex])
+            g["w_down"][ex] += w[i, j] * np.outer(h, dy[i])
+            dh = w[i, j] * (wd[ex] @ dy[i])
+            da = dh * b * sig * (1.0 + a * (1.0 - sig))  # d silu(a) / da
+            db = dh * a * sig
+            g["w_gate"][ex] += np.outer(x[i], da)
+            g["w_up"][ex] += np.outer(x[i], db)
+            g["x"][i] += wg[ex] @ da + wu[ex] @ db
+        # w = picked / sum(picked): d picked_j = (dw_j - sum_j' dw_j' w_j') / sum(picked).
+        dprobs[i, ids[i]] += (dw - dw @ w[i]) / picked[i].sum()
+    # load_balance = E * sum_e f_e * mean_t probs[t, e], f the (constant) assignment fractions.
+    f = np.array([(ids == ex).sum() for ex in range(e)], np.float64) / ids.size
+    dprobs += lb_coef * e * f / t
+    dlogits = probs * (dprobs - (dprobs * probs).sum(-1, keepdims=True))
+    # z_loss = mean_t logsumexp(logits_t)^2, and d logsumexp / d logits = probs.
+    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    dlogits += z_coef * 2.0 * lse[:, None] * probs / t
+    g["router"] += x.T @ dlogits
+    g["x"] += dlogits @ wr.T
+    return g
+
+
 def capacity_keep(ids_TK, num_experts, cap):
     """Which assignments fit: first choices of all tokens (in token order), then second, ..."""
     t, k = ids_TK.shape

@@ -282,32 +282,46 @@ def test_bad_moe_config_and_backend_errors():
         )
 
 
-def test_dropless_and_undropped_capacity_gradients_agree():
-    # Two independent backward paths (sort + gmm custom_vjp vs scatter + einsum) over the same
-    # weights; with no drops they compute the same function, so their gradients must agree.
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+def test_block_gradients_match_the_float64_backward(dispatch):
+    # Two independent backward paths (sort + gmm custom_vjp, scatter + einsum; capacity with
+    # room for every assignment), each against the backward written out in float64
+    # (np_ref.moe_sin_loss_grads: the experts, the renormalised top-k weights, the softmax, the
+    # load-balance and z losses). A weight-gradient entry sums up to T * K = 32 token terms of
+    # up to the leaf's largest entry (|20.8| for the router's [D, E]), so float32 rounding
+    # scales with the leaf, not with the entry (a small entry is a cancelling sum): atol is
+    # 1e-5 of the leaf's largest |entry| (~170 float32 ulps of it), rtol 1e-5, the tolerance
+    # the two paths were held to against each other before. Measured 2026-11-30 on a 2-core
+    # AVX2 EPYC: at most 1.8e-6 of the scale over both paths and every leaf. Either aux
+    # loss's gradient off by a constant factor in the oracle fails it (checked).
     x = jnp.asarray(_rand(12, 2, 8, D))
+    cfg = tiny_moe() if dispatch == "dropless" else tiny_moe(dispatch=dispatch, capacity_factor=4.0)
+    block = _block(cfg)
 
     def loss(b, x):
         y, aux = b(x)
         return jnp.sum(jnp.sin(y)) + aux["moe_loss"]
 
-    grad = nnx.jit(nnx.grad(loss, argnums=(0, 1)))
-    g_drop, gx_drop = grad(_block(tiny_moe()), x)
-    g_cap, gx_cap = grad(_block(tiny_moe(dispatch="capacity", capacity_factor=4.0)), x)
-    np.testing.assert_allclose(gx_cap, gx_drop, **TOL)
-    # A weight gradient entry sums its tokens' terms in each path's own order (gmm tiles vs an
-    # einsum), so the two differ by float32 rounding of the largest terms, not of the entry:
-    # the router's [D, E] gradient reaches |20.8|, and its entry -0.206 is a cancelling sum of
-    # such terms, where the two paths differ by 1.4e-5 on a 2-core AVX2 EPYC (2026-11-29; an
-    # AVX-512 host's order passed 1e-5): ~6 float32 ulps of 20.8 over 192 token slots, and
-    # deterministic per host. So atol is 1e-5 of the leaf's scale (unchanged for leaves within
-    # [-1, 1]); rtol stays 1e-5.
-    for (path, a), (_, b) in zip(
-        jax.tree_util.tree_leaves_with_path(g_cap),
-        jax.tree_util.tree_leaves_with_path(g_drop),
-        strict=True,
-    ):
-        scale = max(1.0, float(np.abs(np.asarray(b)).max()))
+    g, gx = nnx.jit(nnx.grad(loss, argnums=(0, 1)))(block, x)
+    ex = block.experts
+    ref = np_ref.moe_sin_loss_grads(
+        np.asarray(x).reshape(T, D),
+        block.router.w[...],
+        ex.w_gate[...],
+        ex.w_up[...],
+        ex.w_down[...],
+        K,
+        cfg.aux_loss_weight,
+        cfg.z_loss_weight,
+    )
+    got = {
+        "x": np.asarray(gx).reshape(T, D),
+        "router": g["router"]["w"][...],
+        **{name: g["experts"][name][...] for name in ("w_gate", "w_up", "w_down")},
+    }
+    assert len(jax.tree.leaves(g)) == len(ref) - 1  # every weight has its oracle (and x)
+    for name, want in ref.items():
+        scale = float(np.abs(want).max())
         np.testing.assert_allclose(
-            a, b, rtol=TOL["rtol"], atol=TOL["atol"] * scale, err_msg=jax.tree_util.keystr(path)
+            np.asarray(got[name]), want, rtol=TOL["rtol"], atol=TOL["atol"] * scale, err_msg=name
         )
