@@ -71,16 +71,23 @@ def route(logits_TE, k, norm_topk_prob):
     return w, ids, probs
 
 
+def assigned_fractions(ids_TK, e):
+    """f_e: the share of the T * K assignments that went to expert e."""
+    return np.array([(ids_TK == i).sum() for i in range(e)], np.float64) / ids_TK.size
+
+
 def load_balance(probs_TE, ids_TK):
-    t, e = probs_TE.shape
-    f = np.array([(ids_TK == i).sum() for i in range(e)], np.float64) / ids_TK.size
-    return e * float(np.sum(f * f64(probs_TE).mean(0)))
+    e = probs_TE.shape[1]
+    return e * float(np.sum(assigned_fractions(ids_TK, e) * f64(probs_TE).mean(0)))
+
+
+def logsumexp(z_TE):
+    z = f64(z_TE)
+    return np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
 
 
 def z_loss(logits_TE):
-    z = f64(logits_TE)
-    lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
-    return float(np.mean(lse**2))
+    return float(np.mean(logsumexp(logits_TE) ** 2))
 
 
 def moe(x_TD, w_router, w_gate, w_up, w_down, k, norm_topk_prob, keep_TK=None):
@@ -129,12 +136,10 @@ def moe_sin_loss_grads(x_TD, w_router, w_gate, w_up, w_down, k, lb_coef, z_coef)
         # w = picked / sum(picked): d picked_j = (dw_j - sum_j' dw_j' w_j') / sum(picked).
         dprobs[i, ids[i]] += (dw - dw @ w[i]) / picked[i].sum()
     # load_balance = E * sum_e f_e * mean_t probs[t, e], f the (constant) assignment fractions.
-    f = np.array([(ids == ex).sum() for ex in range(e)], np.float64) / ids.size
-    dprobs += lb_coef * e * f / t
+    dprobs += lb_coef * e * assigned_fractions(ids, e) / t
     dlogits = probs * (dprobs - (dprobs * probs).sum(-1, keepdims=True))
     # z_loss = mean_t logsumexp(logits_t)^2, and d logsumexp / d logits = probs.
-    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
-    dlogits += z_coef * 2.0 * lse[:, None] * probs / t
+    dlogits += z_coef * 2.0 * logsumexp(logits)[:, None] * probs / t
     g["router"] += x.T @ dlogits
     g["x"] += dlogits @ wr.T
     return g
