@@ -42,6 +42,16 @@ def test_only_bf16_on_a_cpu_without_bf16_dots_widens(monkeypatch):
     assert not host_dots.upcast_bf16_dots(jnp.bfloat16)
 
 
+def test_bf16_dots_on_this_cpu_only_where_bf16_operands_are_kept(monkeypatch):
+    monkeypatch.setattr(host_dots, "native_bf16_dots", lambda: True)
+    assert host_dots.bf16_dots_on_this_cpu(jnp.bfloat16)
+    assert not host_dots.bf16_dots_on_this_cpu(jnp.float32)
+    with compiling_for("v6e"):  # code compiled for a TPU is not this CPU's
+        assert not host_dots.bf16_dots_on_this_cpu(jnp.bfloat16)
+    monkeypatch.setattr(host_dots, "native_bf16_dots", lambda: False)  # widened instead
+    assert not host_dots.bf16_dots_on_this_cpu(jnp.bfloat16)
+
+
 def test_widened_operands_give_the_bf16_dot():
     # bf16 -> f32 is exact and so is a product of two bf16 values in f32: the widened dot is the
     # bf16 dot with f32 accumulation up to the order of its sums (K = 512 terms: measured

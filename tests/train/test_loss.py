@@ -165,18 +165,25 @@ TOKEN_SHAPES = [(16, 8, 64, 16), (16, 8, 64, 4), (33, 16, 211, 12), (7, 4, 13, 2
 
 @pytest.mark.parametrize("shape", TOKEN_SHAPES, ids=lambda s: "T{}-D{}-V{}-t{}".format(*s))
 @pytest.mark.parametrize(
-    ("dtype", "upcast"),
-    [(jnp.float32, False), (jnp.bfloat16, False), (jnp.bfloat16, True)],
-    ids=["f32", "bf16", "bf16-upcast"],
+    ("dtype", "upcast", "dw_transposed"),
+    [
+        (jnp.float32, False, False),
+        (jnp.bfloat16, False, False),
+        (jnp.bfloat16, False, True),
+        (jnp.bfloat16, True, False),
+    ],
+    ids=["f32", "bf16", "bf16-dw-DV", "bf16-upcast"],
 )
-def test_token_chunks_match_the_float64_oracle(shape, dtype, upcast, monkeypatch):
+def test_token_chunks_match_the_float64_oracle(shape, dtype, upcast, dw_transposed, monkeypatch):
     # The gradient formed in the forward, per chunk of tokens over the whole vocabulary: the
     # same oracle and bounds as the vocab chunks (dlogits rounded to bf16 once, each result once;
     # upcast: the bf16 operands widened to f32 first, which changes no product, and dlogits
-    # kept float32).
+    # kept float32; dw_transposed: dW accumulated as [D, V] from h's transpose, as on a CPU
+    # with bf16 dots). Both forms are forced, so every host runs each.
     t, d, v, per_chunk = shape
     monkeypatch.setattr(loss_lib, "TOKEN_CHUNK_LOGITS_BYTES", per_chunk * v * 4)
     monkeypatch.setattr(loss_lib, "upcast_bf16_dots", lambda dtype: upcast)
+    monkeypatch.setattr(loss_lib, "bf16_dots_on_this_cpu", lambda dtype: dw_transposed)
     h, w, targets, mask = _inputs(t, d, v, dtype)
     result = jax.jit(jax.value_and_grad(_tokens, argnums=(0, 1)))(h, w, targets, mask)
     _check_against_oracle(result, h, w, targets, mask, widened=upcast)

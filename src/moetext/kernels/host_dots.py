@@ -132,6 +132,15 @@ def upcast_bf16_dots(dtype: jnp.dtype | type) -> bool:
     return jnp.dtype(dtype) == jnp.bfloat16 and _traced_for_this_cpu() and not native_bf16_dots()
 
 
+def bf16_dots_on_this_cpu(dtype: jnp.dtype | type) -> bool:
+    """Whether a matmul traced now with `dtype` operands runs them as bfloat16 on this
+    process's CPU: bfloat16 operands, CPU code, and a CPU with bfloat16 dot instructions (so
+    `upcast_bf16_dots` keeps them). XLA:CPU gives YNNPACK's bfloat16 dot only row-major forms
+    that contract the lhs's minor dim; a contraction over both operands' major dim goes to
+    Eigen, which has no bfloat16 kernel (program/loss.py's dW, docs/performance.md)."""
+    return jnp.dtype(dtype) == jnp.bfloat16 and _traced_for_this_cpu() and native_bf16_dots()
+
+
 def widen_gmm_tiles() -> bool:
     """Whether the blocked gmm traced now should take its per-tile dots in float32 and its
     weight gradient as row contractions (module docstring): the code runs on this process's

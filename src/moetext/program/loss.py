@@ -23,7 +23,8 @@ logits and log-softmax (plus their gradient) of the logits path. The price is on
 tokens against the whole vocabulary instead and forms the gradient in the forward: 3 head
 matmuls, a [V, D] float32 gradient kept until the backward (its docstring says when to use it).
 On a CPU without bfloat16 dot instructions every head matmul widens its operands to float32
-(kernels/host_dots.py), the same products and float32 sums, faster there.
+(kernels/host_dots.py), the same products and float32 sums, faster there; where the operands
+stay bfloat16, dW is accumulated as [D, V] from h's transpose (`_tokens_nll_fwd` says why).
 
 Numerics: every matmul takes h and the head in the compute dtype (h's dtype; the head is cast
 to it, as the model's own head einsum does) and accumulates and returns float32
@@ -59,7 +60,7 @@ from moetext.kernels.gmm.gather import (
     gathered_shape,
     psum_scatter_dims,
 )
-from moetext.kernels.host_dots import upcast_bf16_dots
+from moetext.kernels.host_dots import bf16_dots_on_this_cpu, upcast_bf16_dots
 from moetext.kernels.pallas import target
 from moetext.sharding import fsdp
 from moetext.sharding.logical import constrain
@@ -450,11 +451,12 @@ def _tokens_nll_fwd(
     wide_VD = w_VD.astype(F32) if upcast else w_VD
     ids_V = jnp.arange(w_VD.shape[0], dtype=jnp.int32)
     # dW contracts over the chunk's tokens, the major dim of both dlogits [C, V] and h [C, D].
-    # XLA:CPU runs that form through Eigen, which has no bfloat16 kernel: bfloat16 operands
-    # (kept where the CPU has bfloat16 dots) take h's transpose instead, [D, C] @ [C, V] on YNNPACK's bfloat16 dot, into a [D, V]
-    # accumulator transposed once at the end (~3x faster per chunk on an AVX512-BF16 EPYC);
-    # widened float32 operands keep Eigen's [V, D] (docs/performance.md).
-    dw_transposed = h_NCD.dtype == jnp.bfloat16 and not upcast
+    # XLA:CPU runs that form through Eigen, which has no bfloat16 kernel: bfloat16 operands on
+    # a CPU with bfloat16 dots take h's transpose instead, [D, C] @ [C, V] on YNNPACK's
+    # bfloat16 dot, into a [D, V] accumulator transposed once at the end (~3x faster per chunk
+    # on an AVX512-BF16 EPYC). Widened float32 operands keep Eigen's [V, D], measured faster
+    # there, as does code for an accelerator (docs/performance.md).
+    dw_transposed = bf16_dots_on_this_cpu(h_NCD.dtype)
     hs_NCD = jnp.swapaxes(h_NCD, 1, 2) if dw_transposed else h_NCD
     dw_names = HEAD_NAMES[::-1] if dw_transposed else HEAD_NAMES
 
