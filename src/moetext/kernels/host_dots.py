@@ -11,6 +11,12 @@ bfloat16 dot with float32 accumulation, up to the order of the sums.
     if upcast_bf16_dots(x.dtype):      # True only on a CPU without bfloat16 dot instructions
         x, w = x.astype(jnp.float32), w.astype(jnp.float32)
 
+Where the operands stay bfloat16 on this CPU (`bf16_dots_on_this_cpu`), one form still falls
+off YNNPACK: a contraction over the major dim of both operands (x.T @ y with x, y row-major)
+goes to Eigen, which has no bfloat16 kernel. The token-chunked loss's dW therefore multiplies
+a materialized transpose of x, row-major (program/loss.py: 121 -> 382 GFLOP/s per chunk on an
+AVX512-BF16 EPYC).
+
 The environment variable MOETEXT_CPU_BF16_DOTS=native (keep bfloat16 operands) or =widen
 (widen them) overrides the detection, for a host whose /proc/cpuinfo hides its flags (some
 VMs) or to compare the two (docs/performance.md).
