@@ -45,6 +45,17 @@ static double now(void) {
   return t.tv_sec + 1e-9 * t.tv_nsec;
 }
 
+/* Keeps the chains live after their loop: the compiler must not drop it. */
+static void keep_live(const vec acc[CHAINS]) {
+  float sink[LANES] __attribute__((aligned(64)));
+  float total = 0.0f;
+  for (int i = 0; i < CHAINS; i++) {
+    *(vec *)sink = acc[i];
+    total += sink[0];
+  }
+  if (total == 12345.0f) puts("");
+}
+
 /* GFLOP/s of one thread's FMA chains. */
 static double chains(void) {
   vec acc[CHAINS];
@@ -56,37 +67,25 @@ static double chains(void) {
     for (int i = 0; i < CHAINS; i++) acc[i] = FMA(acc[i], mul, add);
   }
   const double dt = now() - t0;
-  /* Keep the chains live: the compiler must not drop the loop. */
-  float sink[LANES] __attribute__((aligned(64)));
-  float total = 0.0f;
-  for (int i = 0; i < CHAINS; i++) {
-    *(vec *)sink = acc[i];
-    total += sink[0];
-  }
-  if (total == 12345.0f) puts("");
+  keep_live(acc);
   return (double)iterations * CHAINS * LANES * 2 / dt / 1e9;
 }
 
 #if defined(__AVX512BF16__)
-/* GFLOP/s of one thread's bfloat16 dot-product chains (VDPBF16PS). */
+/* GFLOP/s of one thread's bfloat16 dot-product chains (VDPBF16PS). AVX512-BF16 implies
+ * AVX-512F, so `vec` is __m512 here. */
 static double bf16_chains(void) {
-  __m512 acc[CHAINS];
+  vec acc[CHAINS];
   const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3a83);
-  for (int i = 0; i < CHAINS; i++) acc[i] = _mm512_set1_ps((float)i);
+  for (int i = 0; i < CHAINS; i++) acc[i] = SET1((float)i);
   const double t0 = now();
   for (long k = 0; k < iterations; k++) {
 #pragma GCC unroll 12
     for (int i = 0; i < CHAINS; i++) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
   }
   const double dt = now() - t0;
-  float sink[16] __attribute__((aligned(64)));
-  float total = 0.0f;
-  for (int i = 0; i < CHAINS; i++) {
-    _mm512_store_ps(sink, acc[i]);
-    total += sink[0];
-  }
-  if (total == 12345.0f) puts("");
-  return (double)iterations * CHAINS * 16 * 4 / dt / 1e9;
+  keep_live(acc);
+  return (double)iterations * CHAINS * LANES * 4 / dt / 1e9;
 }
 #endif
 
