@@ -457,30 +457,30 @@ def _tokens_nll_fwd(
     # on an AVX512-BF16 EPYC). Widened float32 operands keep Eigen's [V, D], measured faster
     # there, as does code for an accelerator (docs/performance.md).
     dw_transposed = bf16_dots_on_this_cpu(h_NCD.dtype)
-    hs_NCD = jnp.swapaxes(h_NCD, 1, 2) if dw_transposed else h_NCD
-    dw_names = HEAD_NAMES[::-1] if dw_transposed else HEAD_NAMES
+    xs: tuple[jax.Array, ...] = (h_NCD, targets_NC, weights_NC)
+    if dw_transposed:  # h's transpose [N, D, C] rides along: the loop keeps it materialized
+        xs += (jnp.swapaxes(h_NCD, 1, 2),)
 
     def body(
         carry: tuple[jax.Array, jax.Array], xs: tuple[jax.Array, ...]
     ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
         total, dw = carry
-        h_CD, hs, targets_C, weights_C = xs
+        h_CD, targets_C, weights_C, *h_DC = xs
         logits_CV, lse_C, nll_C = _token_chunk(h_CD, wide_VD, targets_C, upcast)
         hit_CV = ids_V[None, :] == targets_C[:, None]
         dlogits_CV = _dlogits_operand(
             (jnp.exp(logits_CV - lse_C[:, None]) - hit_CV) * weights_C[:, None], h_CD.dtype, upcast
         )
         dh_CD = _dot(dlogits_CV, wide_VD, (1, 0), upcast)
-        if dw_transposed:  # hs: [D, C]
-            dw_chunk = _dot(hs, dlogits_CV, (1, 0), upcast)
-        else:  # hs: [C, D]
-            dw_chunk = _dot(dlogits_CV, hs, (0, 0), upcast)
-        dw = constrain(dw + dw_chunk, dw_names)
+        if h_DC:  # dW as [D, V]
+            dw = constrain(dw + _dot(h_DC[0], dlogits_CV, (1, 0), upcast), HEAD_NAMES[::-1])
+        else:
+            dw = constrain(dw + _dot(dlogits_CV, h_CD, (0, 0), upcast), HEAD_NAMES)
         return (total + jnp.sum(nll_C * weights_C), dw), dh_CD
 
     dw_shape = w_VD.shape[::-1] if dw_transposed else w_VD.shape
     init = (jnp.zeros((), F32), jnp.zeros(dw_shape, F32))
-    (total, dw), dh_NCD = lax.scan(body, init, (h_NCD, hs_NCD, targets_NC, weights_NC))
+    (total, dw), dh_NCD = lax.scan(body, init, xs)
     dw_VD = dw.T if dw_transposed else dw
     # float32 until the cotangent scales them (the compute dtype's zero-size marker rides along)
     return total, (dh_NCD, dw_VD, jnp.zeros((0,), h_NCD.dtype))
